@@ -1,0 +1,48 @@
+# flaxformer_lite — set-up, tests and the demo. Every target installs what it needs.
+#   make demo   train/run the default experiment (see README)
+#   make test   the test suite (what CI runs)
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Multi-device code is tested on 8 simulated CPU devices.
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+
+.PHONY: setup test test-slow demo lint format clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "error: flaxformer_lite needs Python >= 3.11 (found $$($(PYTHON) --version)); set PYTHON=python3.11 or newer"; exit 1; }
+	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
+	  echo "python3 -m venv failed; installing Debian's python3-venv"; rm -rf $(VENV); \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv python3-pip && \
+	  $(PYTHON) -m venv $(VENV); }
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+test: setup
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(TEST_ENV) $(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/python -m flaxformer_lite.demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

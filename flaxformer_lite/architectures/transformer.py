@@ -1,0 +1,338 @@
+"""The encoder-decoder Transformer (Vaswani et al. 2017, Figure 1).
+
+Legend: b batch, s source length, t target length, m d_model, V vocabulary.
+
+Masks are built once, at the top (``Transformer.encode`` / ``.decode``), from
+token ids, segment ids (packing) and causality, and passed down to every layer.
+
+Decoding step by step (``decode=True``): the caller first creates the cache
+with ``model.init(rng, inputs, targets_of_max_len, decode=True)['cache']``,
+runs ``encode`` once, then calls ``decode`` with the encoder output on the
+first step (this stores each layer's cross-attention keys/values) and with
+``encoded=None`` afterwards; each call feeds the previous output tokens
+(no shift) and returns logits for the next ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array
+
+from flaxformer_lite.components.embedding import (
+    Embed,
+    LearnedPositions,
+    SinusoidalPositions,
+    default_positions,
+)
+from flaxformer_lite.components.feedforward import FeedForward
+from flaxformer_lite.components.masks import (
+    combine_masks,
+    make_causal_mask,
+    make_padding_mask,
+    make_segment_mask,
+)
+from flaxformer_lite.components.multihead import MultiHeadAttention
+from flaxformer_lite.config import ModelConfig
+
+
+def shift_right(tokens: Array, bos_id: int, positions: Array | None = None) -> Array:
+    """Decoder inputs: ``tokens`` moved one step right with ``bos_id`` in front.
+
+    With ``positions`` (packed rows), every example restarts with ``bos_id``
+    wherever its position is 0, so examples never see their neighbour's tokens.
+    """
+    shifted = jnp.pad(tokens, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+    if positions is not None:
+        shifted = jnp.where(positions == 0, jnp.asarray(bos_id, tokens.dtype), shifted)
+    return shifted
+
+
+def _layer_norm(c: ModelConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=c.layer_norm_epsilon, dtype=c.compute_dtype, param_dtype=c.parameter_dtype,
+        name=name,
+    )
+
+
+def _residual(
+    c: ModelConfig, x: Array, sublayer: Callable[[Array], Array], name: str, deterministic: bool
+) -> Array:
+    """post-LN: LN(x + Dropout(f(x))) (paper); pre-LN: x + Dropout(f(LN(x)))."""
+    norm = _layer_norm(c, f"{name}_norm")
+    drop = nn.Dropout(c.residual_dropout)
+    if c.ln_position == "pre":
+        return x + drop(sublayer(norm(x)), deterministic=deterministic)
+    return norm(x + drop(sublayer(x), deterministic=deterministic))
+
+
+def _check_length(c: ModelConfig, length: int, what: str) -> None:
+    if length > c.max_len:
+        raise ValueError(
+            f"{what} length {length} exceeds model.max_len={c.max_len}; truncate the "
+            f"sequences or raise model.max_len"
+        )
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention and FFN, each in a residual + LayerNorm block."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array | None, *, deterministic: bool = True) -> Array:
+        c = self.config
+        attn = MultiHeadAttention(c, name="self_attention")
+        x = _residual(
+            c, x, lambda h: attn(h, mask=mask, deterministic=deterministic),
+            "self_attention", deterministic,
+        )
+        ffn = FeedForward(c, name="ffn")
+        return _residual(c, x, lambda h: ffn(h, deterministic=deterministic), "ffn", deterministic)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention (unless decoder-only) and FFN."""
+
+    config: ModelConfig
+    has_cross_attention: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        encoded: Array | None,
+        self_mask: Array | None,
+        cross_mask: Array | None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> Array:
+        c = self.config
+        self_attn = MultiHeadAttention(c, name="self_attention")
+        x = _residual(
+            c, x,
+            lambda h: self_attn(h, mask=self_mask, deterministic=deterministic, decode=decode),
+            "self_attention", deterministic,
+        )
+        if self.has_cross_attention:
+            cross = MultiHeadAttention(c, self_attention=False, name="cross_attention")
+            x = _residual(
+                c, x,
+                lambda h: cross(h, encoded, cross_mask, deterministic=deterministic,
+                                decode=decode),
+                "cross_attention", deterministic,
+            )
+        ffn = FeedForward(c, name="ffn")
+        return _residual(c, x, lambda h: ffn(h, deterministic=deterministic), "ffn", deterministic)
+
+
+def _embed_with_positions(
+    c: ModelConfig, embed: Embed, tokens: Array, positions: Array, deterministic: bool
+) -> Array:
+    x = embed(tokens)
+    if c.positional == "sinusoidal":
+        x = x + SinusoidalPositions(c.d_model, c.compute_dtype)(positions)
+    elif c.positional == "learned":
+        x = x + LearnedPositions(
+            c.max_len, c.d_model, c.compute_dtype, c.parameter_dtype, name="positions"
+        )(positions)
+    return nn.Dropout(c.embedding_dropout)(x, deterministic=deterministic)
+
+
+def _make_embed(c: ModelConfig, name: str) -> Embed:
+    return Embed(
+        c.vocab_size, c.d_model, scale=c.scale_embeddings, dtype=c.compute_dtype,
+        param_dtype=c.parameter_dtype, name=name,
+    )
+
+
+class Encoder(nn.Module):
+    """Token embedding + positions + N encoder layers (+ final LN when pre-LN)."""
+
+    config: ModelConfig
+    embedding: Embed | None = None  # shared table, or None for the encoder's own
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        mask: Array | None,
+        positions: Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> Array:
+        c = self.config
+        _check_length(c, tokens.shape[1], "source")
+        embed = self.embedding if self.embedding is not None else _make_embed(c, "embed")
+        if positions is None:
+            positions = default_positions(*tokens.shape)
+        x = _embed_with_positions(c, embed, tokens, positions, deterministic)
+        for i in range(c.num_encoder_layers):
+            x = EncoderLayer(c, name=f"layer_{i}")(x, mask, deterministic=deterministic)
+        if c.ln_position == "pre":
+            x = _layer_norm(c, "final_norm")(x)
+        return x
+
+
+class Decoder(nn.Module):
+    """Embedding + positions + N decoder layers (+ final LN) + output projection."""
+
+    config: ModelConfig
+    embedding: Embed | None = None  # shared table, or None for the decoder's own
+    has_cross_attention: bool = True
+    tie_output: bool = True  # logits = x E^T with the decoder's embedding
+
+    @nn.compact
+    def __call__(
+        self,
+        encoded: Array | None,
+        tokens: Array,
+        self_mask: Array | None,
+        cross_mask: Array | None,
+        positions: Array | None = None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> Array:
+        """``tokens [b, t]`` are the decoder inputs (already shifted); returns ``[b, t, V]``."""
+        c = self.config
+        embed = self.embedding if self.embedding is not None else _make_embed(c, "embed")
+        if decode:
+            positions = self._decode_positions(tokens, positions)
+        else:
+            _check_length(c, tokens.shape[1], "target")
+            if positions is None:
+                positions = default_positions(*tokens.shape)
+        x = _embed_with_positions(c, embed, tokens, positions, deterministic)
+        for i in range(c.num_decoder_layers):
+            x = DecoderLayer(c, self.has_cross_attention, name=f"layer_{i}")(
+                x, encoded, self_mask, cross_mask, deterministic=deterministic, decode=decode
+            )
+        if c.ln_position == "pre":
+            x = _layer_norm(c, "final_norm")(x)
+        if self.tie_output:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(
+                c.vocab_size, use_bias=False, dtype=c.compute_dtype,
+                param_dtype=c.parameter_dtype, kernel_init=nn.initializers.xavier_uniform(),
+                name="logits",
+            )(x)
+        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+    def _decode_positions(self, tokens: Array, positions: Array | None) -> Array:
+        """Positions of this decoding step, counted in the cache unless given."""
+        creating = not self.has_variable("cache", "position_index")
+        index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+        steps = tokens.shape[1]
+        if positions is None:
+            positions = jnp.broadcast_to(index.value + jnp.arange(steps), tokens.shape)
+        if not creating:
+            index.value = index.value + steps
+        return positions
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder of the paper; ``__call__(inputs, targets)`` -> logits."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        tie = c.tie_embeddings
+        shared = _make_embed(c, "shared_embedding") if tie in ("src_tgt", "all") else None
+        self.encoder = Encoder(c, embedding=shared)
+        self.decoder = Decoder(c, embedding=shared, tie_output=tie in ("tgt_softmax", "all"))
+
+    def encode(
+        self,
+        inputs: Array,
+        inputs_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> Array:
+        """``[b, s]`` source ids -> ``[b, s, m]``."""
+        c = self.config
+        mask = make_padding_mask(inputs, inputs, c.pad_id)
+        if inputs_segmentation is not None:
+            mask = combine_masks(
+                mask, make_segment_mask(inputs_segmentation, inputs_segmentation)
+            )
+        return self.encoder(inputs, mask, inputs_positions, deterministic=deterministic)
+
+    def decode(
+        self,
+        encoded: Array | None,
+        inputs: Array,
+        targets: Array,
+        *,
+        targets_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        targets_segmentation: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> Array:
+        """Logits ``[b, t, V]`` for ``targets`` given the encoder output.
+
+        Training/eval (``decode=False``): ``targets`` are the labels; the decoder
+        sees them shifted right behind BOS. Decoding (``decode=True``):
+        ``targets`` are the tokens to feed this step (no shift), ``encoded`` is
+        needed on the first step only.
+        """
+        c = self.config
+        if (inputs_segmentation is None) != (targets_segmentation is None):
+            raise ValueError(
+                "packed batches need both inputs_segmentation and targets_segmentation "
+                "(or neither for unpacked batches)"
+            )
+        if decode:
+            # Causality comes from the cache; only source padding is masked here.
+            self_mask = None
+            cross_mask = make_padding_mask(jnp.ones_like(targets), inputs, c.pad_id)
+            decoder_inputs = targets
+        else:
+            decoder_inputs = shift_right(targets, c.bos_id, targets_positions)
+            self_mask = combine_masks(
+                make_padding_mask(targets, targets, c.pad_id),
+                make_causal_mask(targets.shape[1]),
+            )
+            cross_mask = make_padding_mask(targets, inputs, c.pad_id)
+            if targets_segmentation is not None:
+                self_mask = combine_masks(
+                    self_mask, make_segment_mask(targets_segmentation, targets_segmentation)
+                )
+                cross_mask = combine_masks(
+                    cross_mask, make_segment_mask(targets_segmentation, inputs_segmentation)
+                )
+        return self.decoder(
+            encoded, decoder_inputs, self_mask, cross_mask, targets_positions,
+            deterministic=deterministic, decode=decode,
+        )
+
+    def __call__(
+        self,
+        inputs: Array,
+        targets: Array,
+        *,
+        inputs_positions: Array | None = None,
+        targets_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        targets_segmentation: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> Array:
+        encoded = self.encode(
+            inputs, inputs_positions, inputs_segmentation, deterministic=deterministic
+        )
+        return self.decode(
+            encoded, inputs, targets,
+            targets_positions=targets_positions,
+            inputs_segmentation=inputs_segmentation,
+            targets_segmentation=targets_segmentation,
+            deterministic=deterministic,
+            decode=decode,
+        )

@@ -1,0 +1,36 @@
+"""Position-wise feed-forward network: act(x W1 + b1) W2 + b2 (paper: act = ReLU)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+from jax import Array
+
+from flaxformer_lite.config import ModelConfig
+
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": jax.nn.gelu,
+    "silu": jax.nn.silu,
+    "tanh": jax.numpy.tanh,
+}
+
+
+class FeedForward(nn.Module):
+    """``[b, l, d_model]`` -> ``[b, l, d_model]`` through a ``d_ff`` hidden layer."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
+        c = self.config
+        dense = lambda features, name: nn.Dense(
+            features,
+            dtype=c.compute_dtype,
+            param_dtype=c.parameter_dtype,
+            kernel_init=nn.initializers.xavier_uniform(),
+            name=name,
+        )
+        h = ACTIVATIONS[c.activation](dense(c.d_ff, "wi")(x))
+        h = nn.Dropout(c.ffn_dropout)(h, deterministic=deterministic)
+        return dense(c.d_model, "wo")(h)

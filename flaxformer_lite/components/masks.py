@@ -1,0 +1,72 @@
+"""Attention masks: pure functions on token ids, segment ids and lengths.
+
+Convention: a mask is boolean, True = the query may attend to the key, with
+shape ``[batch or 1, 1, q_length, kv_length]`` (the head axis broadcasts).
+``combine_masks`` is the one place masks meet, so padding, causality and
+packing compose by logical AND.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import Array
+
+
+def make_padding_mask(query_tokens: Array, key_tokens: Array, pad_id: int = 0) -> Array:
+    """True where neither the query nor the key token is padding.
+
+    Args:
+      query_tokens: ``[B, Q]`` token ids.
+      key_tokens: ``[B, K]`` token ids.
+    Returns:
+      ``[B, 1, Q, K]`` boolean mask. A padding query attends to nothing (its
+      attention output is zero, see ``dot_product_attention``).
+    """
+    q = jnp.asarray(query_tokens) != pad_id
+    k = jnp.asarray(key_tokens) != pad_id
+    return q[:, None, :, None] & k[:, None, None, :]
+
+
+def make_causal_mask(length: int) -> Array:
+    """``[1, 1, L, L]``: query i may attend to keys 0..i."""
+    idx = jnp.arange(length)
+    return (idx[None, :] <= idx[:, None])[None, None]
+
+
+def make_segment_mask(q_segments: Array, kv_segments: Array) -> Array:
+    """``[B, 1, Q, K]``: True where query and key belong to the same packed example.
+
+    Segment ids number the examples packed into a row (1, 2, ...); 0 is padding
+    and matches nothing, so padding never attends or is attended to.
+    """
+    q = jnp.asarray(q_segments)
+    k = jnp.asarray(kv_segments)
+    same = q[:, None, :, None] == k[:, None, None, :]
+    return same & (q != 0)[:, None, :, None]
+
+
+def make_position_causal_mask(q_positions: Array, kv_positions: Array) -> Array:
+    """``[B, 1, Q, K]``: True where the key position is <= the query position."""
+    q = jnp.asarray(q_positions)
+    k = jnp.asarray(kv_positions)
+    return k[:, None, None, :] <= q[:, None, :, None]
+
+
+def combine_masks(*masks: Array | None) -> Array | None:
+    """Logical AND of the given masks (``None`` entries are ignored); broadcasts shapes.
+
+    Returns ``None`` when every argument is ``None`` (attend everywhere).
+    """
+    present = [jnp.asarray(m, dtype=bool) for m in masks if m is not None]
+    if not present:
+        return None
+    ndims = {m.ndim for m in present}
+    if ndims != {4}:
+        raise ValueError(
+            f"masks must all be 4-D [batch, heads, q_len, kv_len]; got shapes "
+            f"{[tuple(m.shape) for m in present]}"
+        )
+    out = present[0]
+    for m in present[1:]:
+        out = jnp.logical_and(out, m)
+    return out

@@ -1,0 +1,155 @@
+"""Multi-head attention: projections W_i^Q, W_i^K, W_i^V, W^O and a KV cache.
+
+Legend: b batch, q/k lengths, h heads, d head dim, m d_model, t cache length.
+
+Parameters (``d_k = d_v = d_model / h`` unless set in the config):
+  query/kernel ``[m, h, d_k]``, key/kernel ``[m, h, d_k]``,
+  value/kernel ``[m, h, d_v]``, out/kernel ``[h, d_v, m]`` (+ biases if ``use_bias``).
+
+Decoding (``decode=True``), in the 'cache' collection:
+  * self-attention keeps ``cached_key``/``cached_value`` ``[b, t, h, d]`` and
+    ``cache_index``; each call writes its keys at the index and attends
+    causally over the cache. The cache length ``t`` is the length of the
+    inputs of the ``init`` call that created it.
+  * cross-attention stores the projected encoder keys/values the first time it
+    is called with ``inputs_kv``; later calls pass ``inputs_kv=None`` and reuse
+    them, so the encoder output is projected once per sentence, not per step.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import Array, lax
+
+from flaxformer_lite.components.attention import (
+    attention_weights,
+    dropout_weights,
+    make_score_fn,
+)
+from flaxformer_lite.components.masks import combine_masks
+from flaxformer_lite.config import ModelConfig
+
+
+def projection_init() -> nn.initializers.Initializer:
+    """Glorot-uniform over (fan_in, fan_out) of the flattened kernel."""
+    return nn.initializers.xavier_uniform()
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention as in Section 3.2.2 of the paper.
+
+    Attributes:
+      config: the model config (sizes, score function, dropout, dtypes).
+      self_attention: True for self-attention (keys/values from ``inputs_q``);
+        False for cross-attention (keys/values from ``inputs_kv``).
+    """
+
+    config: ModelConfig
+    self_attention: bool = True
+
+    def setup(self):
+        c = self.config
+        h, dk, dv = c.num_heads, c.head_dim_qk, c.head_dim_v
+
+        def dense(features, axis=-1, name=None):
+            return nn.DenseGeneral(
+                features=features,
+                axis=axis,
+                use_bias=c.use_bias,
+                dtype=c.compute_dtype,
+                param_dtype=c.parameter_dtype,
+                kernel_init=projection_init(),
+                name=name,
+            )
+
+        self.query = dense((h, dk), name="query")
+        self.key = dense((h, dk), name="key")
+        self.value = dense((h, dv), name="value")
+        self.out = dense(c.d_model, axis=(-2, -1), name="out")
+        self.score = make_score_fn(
+            c.score_fn,
+            num_heads=h,
+            head_dim=dk,
+            dtype=c.compute_dtype,
+            param_dtype=c.parameter_dtype,
+        )
+
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array | None = None,
+        mask: Array | None = None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> Array:
+        """Attend from ``inputs_q [b, q, m]`` to ``inputs_kv [b, k, m]``.
+
+        Args:
+          inputs_q: queries' inputs.
+          inputs_kv: keys'/values' inputs for cross-attention; ignored for
+            self-attention; ``None`` in cross-attention decode mode = use the cache.
+          mask: boolean ``[b or 1, 1, q, k]`` (in self-attention decode mode,
+            ``k`` is the cache length; the causal cache mask is added here).
+          deterministic: disable dropout.
+          decode: use and update the 'cache' collection.
+        Returns:
+          ``[b, q, m]``.
+        """
+        c = self.config
+        query = self.query(inputs_q)
+        if self.self_attention:
+            key, value = self.key(inputs_q), self.value(inputs_q)
+            if decode:
+                key, value, mask = self._self_attention_cache(key, value, mask)
+        else:
+            key, value = self._cross_attention_kv(inputs_kv, decode)
+
+        weights = attention_weights(query, key, mask, score_fn=self.score)
+        if c.sow_attention_weights:
+            self.sow("intermediates", "attention_weights", weights)
+        if not deterministic and c.attention_dropout > 0.0:
+            weights = dropout_weights(weights, c.attention_dropout, self.make_rng("dropout"))
+        x = jnp.einsum("bhqk,bkhv->bqhv", weights, value)
+        return self.out(x)
+
+    def _self_attention_cache(
+        self, key: Array, value: Array, mask: Array | None
+    ) -> tuple[Array, Array, Array | None]:
+        creating = not self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if creating:
+            # The init call only shapes the cache; attention runs as given.
+            return key, value, mask
+        steps = key.shape[1]
+        cache_len = cached_key.value.shape[1]
+        i = index.value
+        cached_key.value = lax.dynamic_update_slice(cached_key.value, key, (0, i, 0, 0))
+        cached_value.value = lax.dynamic_update_slice(cached_value.value, value, (0, i, 0, 0))
+        index.value = i + steps
+        q_pos = i + jnp.arange(steps)
+        k_pos = jnp.arange(cache_len)
+        cache_mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+        return cached_key.value, cached_value.value, combine_masks(mask, cache_mask)
+
+    def _cross_attention_kv(self, inputs_kv: Array | None, decode: bool) -> tuple[Array, Array]:
+        if not decode:
+            if inputs_kv is None:
+                raise ValueError("cross-attention needs inputs_kv (the encoder output)")
+            return self.key(inputs_kv), self.value(inputs_kv)
+        if inputs_kv is None:
+            if not self.has_variable("cache", "cross_key"):
+                raise ValueError(
+                    "cross-attention cache is empty: call the decoder once with the encoder "
+                    "output before decoding with encoded=None"
+                )
+            cache = self.variables["cache"]
+            return cache["cross_key"], cache["cross_value"]
+        key, value = self.key(inputs_kv), self.value(inputs_kv)
+        cross_key = self.variable("cache", "cross_key", lambda: key)
+        cross_value = self.variable("cache", "cross_value", lambda: value)
+        cross_key.value, cross_value.value = key, value
+        return key, value
