@@ -142,8 +142,9 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(f"model.{name}={value!r} must be a non-negative integer")
     for name in ("d_k", "d_v"):
         value = getattr(c, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value <= 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        ):
             raise ConfigError(
                 f"model.{name}={value!r} must be a positive integer, or None for "
                 "d_model // num_heads"
@@ -205,3 +206,31 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+# ml_collections bridge ----------------------------------------------------------
+
+
+def model_config_dict(model: ModelConfig):
+    """An ``ml_collections.ConfigDict`` of a ModelConfig, for ``configs/*.py``.
+
+    Optional integer fields become typed placeholders, so ``--config.model.d_k=64``
+    still works from the command line when the preset leaves them ``None``.
+    """
+    import ml_collections
+    from ml_collections import config_dict
+
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(model):
+        value = getattr(model, f.name)
+        if value is None:
+            value = config_dict.placeholder(int)
+        values[f.name] = value
+    return ml_collections.ConfigDict(values)
+
+
+def model_config_from(config) -> ModelConfig:
+    """The validated ModelConfig of an experiment config (its ``model`` section)."""
+    if "model" not in config:
+        raise ConfigError("the experiment config has no 'model' section; see configs/paper_base.py")
+    return ModelConfig.from_dict(config.model)

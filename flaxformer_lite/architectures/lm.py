@@ -30,9 +30,7 @@ class LanguageModel(nn.Module):
 
     def setup(self):
         c = self.config
-        self.decoder = Decoder(
-            c, has_cross_attention=False, tie_output=c.tie_embeddings != "none"
-        )
+        self.decoder = Decoder(c, has_cross_attention=False, tie_output=c.tie_embeddings != "none")
 
     def __call__(
         self,
@@ -54,6 +52,10 @@ class LanguageModel(nn.Module):
             None if segmentation is None else make_segment_mask(segmentation, segmentation),
         )
         return self.decoder(
-            None, shift_right(tokens, c.bos_id, positions), mask, None, positions,
+            None,
+            shift_right(tokens, c.bos_id, positions),
+            mask,
+            None,
+            positions,
             deterministic=deterministic,
         )

@@ -52,7 +52,9 @@ def shift_right(tokens: Array, bos_id: int, positions: Array | None = None) -> A
 
 def _layer_norm(c: ModelConfig, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(
-        epsilon=c.layer_norm_epsilon, dtype=c.compute_dtype, param_dtype=c.parameter_dtype,
+        epsilon=c.layer_norm_epsilon,
+        dtype=c.compute_dtype,
+        param_dtype=c.parameter_dtype,
         name=name,
     )
 
@@ -86,8 +88,11 @@ class EncoderLayer(nn.Module):
         c = self.config
         attn = MultiHeadAttention(c, name="self_attention")
         x = _residual(
-            c, x, lambda h: attn(h, mask=mask, deterministic=deterministic),
-            "self_attention", deterministic,
+            c,
+            x,
+            lambda h: attn(h, mask=mask, deterministic=deterministic),
+            "self_attention",
+            deterministic,
         )
         ffn = FeedForward(c, name="ffn")
         return _residual(c, x, lambda h: ffn(h, deterministic=deterministic), "ffn", deterministic)
@@ -113,17 +118,20 @@ class DecoderLayer(nn.Module):
         c = self.config
         self_attn = MultiHeadAttention(c, name="self_attention")
         x = _residual(
-            c, x,
+            c,
+            x,
             lambda h: self_attn(h, mask=self_mask, deterministic=deterministic, decode=decode),
-            "self_attention", deterministic,
+            "self_attention",
+            deterministic,
         )
         if self.has_cross_attention:
             cross = MultiHeadAttention(c, self_attention=False, name="cross_attention")
             x = _residual(
-                c, x,
-                lambda h: cross(h, encoded, cross_mask, deterministic=deterministic,
-                                decode=decode),
-                "cross_attention", deterministic,
+                c,
+                x,
+                lambda h: cross(h, encoded, cross_mask, deterministic=deterministic, decode=decode),
+                "cross_attention",
+                deterministic,
             )
         ffn = FeedForward(c, name="ffn")
         return _residual(c, x, lambda h: ffn(h, deterministic=deterministic), "ffn", deterministic)
@@ -144,8 +152,12 @@ def _embed_with_positions(
 
 def _make_embed(c: ModelConfig, name: str) -> Embed:
     return Embed(
-        c.vocab_size, c.d_model, scale=c.scale_embeddings, dtype=c.compute_dtype,
-        param_dtype=c.parameter_dtype, name=name,
+        c.vocab_size,
+        c.d_model,
+        scale=c.scale_embeddings,
+        dtype=c.compute_dtype,
+        param_dtype=c.parameter_dtype,
+        name=name,
     )
 
 
@@ -217,8 +229,11 @@ class Decoder(nn.Module):
             logits = embed.attend(x)
         else:
             logits = nn.Dense(
-                c.vocab_size, use_bias=False, dtype=c.compute_dtype,
-                param_dtype=c.parameter_dtype, kernel_init=nn.initializers.xavier_uniform(),
+                c.vocab_size,
+                use_bias=False,
+                dtype=c.compute_dtype,
+                param_dtype=c.parameter_dtype,
+                kernel_init=nn.initializers.xavier_uniform(),
                 name="logits",
             )(x)
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
@@ -259,9 +274,7 @@ class Transformer(nn.Module):
         c = self.config
         mask = make_padding_mask(inputs, inputs, c.pad_id)
         if inputs_segmentation is not None:
-            mask = combine_masks(
-                mask, make_segment_mask(inputs_segmentation, inputs_segmentation)
-            )
+            mask = combine_masks(mask, make_segment_mask(inputs_segmentation, inputs_segmentation))
         return self.encoder(inputs, mask, inputs_positions, deterministic=deterministic)
 
     def decode(
@@ -309,8 +322,13 @@ class Transformer(nn.Module):
                     cross_mask, make_segment_mask(targets_segmentation, inputs_segmentation)
                 )
         return self.decoder(
-            encoded, decoder_inputs, self_mask, cross_mask, targets_positions,
-            deterministic=deterministic, decode=decode,
+            encoded,
+            decoder_inputs,
+            self_mask,
+            cross_mask,
+            targets_positions,
+            deterministic=deterministic,
+            decode=decode,
         )
 
     def __call__(
@@ -329,7 +347,9 @@ class Transformer(nn.Module):
             inputs, inputs_positions, inputs_segmentation, deterministic=deterministic
         )
         return self.decode(
-            encoded, inputs, targets,
+            encoded,
+            inputs,
+            targets,
             targets_positions=targets_positions,
             inputs_segmentation=inputs_segmentation,
             targets_segmentation=targets_segmentation,

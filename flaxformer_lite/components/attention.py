@@ -9,11 +9,11 @@ with True = may attend.
 
 A score function maps ``(query [b q h d], key [b k h d])`` to logits
 ``[b h q k]``. They live in one registry: ``register_score_fn(name)`` on a
-factory ``(num_heads, head_dim, dtype, param_dtype) -> callable`` adds one, and
-the model config accepts its name from then on. Factories of parameter-free
-scores return plain functions; parameterised scores (``additive``,
-``bilinear``) return flax modules, which become submodules of the attention
-layer that builds them.
+factory ``(*, num_heads, head_dim, dtype, param_dtype, module_name) -> callable``
+adds one, and the model config accepts its name from then on. Factories of
+parameter-free scores return plain functions; parameterised scores
+(``additive``, ``bilinear``) return flax modules named ``module_name``, which
+become submodules of the attention layer that builds them.
 
 Fully masked query rows (e.g. a padding query) get all-zero weights, hence a
 zero output vector, never NaN.
@@ -36,7 +36,7 @@ _SCORE_FNS: dict[str, ScoreFactory] = {}
 
 
 def register_score_fn(name: str) -> Callable[[ScoreFactory], ScoreFactory]:
-    """Decorator: register ``factory(num_heads, head_dim, dtype, param_dtype)`` under ``name``."""
+    """Decorator: register ``factory(*, num_heads, head_dim, dtype, param_dtype, module_name)``."""
 
     def wrap(factory: ScoreFactory) -> ScoreFactory:
         if name in _SCORE_FNS:
@@ -59,18 +59,21 @@ def make_score_fn(
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
     param_dtype: jnp.dtype = jnp.float32,
+    module_name: str | None = None,
 ) -> ScoreFn:
     """Build the registered score function ``name``.
 
-    Called inside a module's ``setup``, a parameterised score becomes that
-    module's submodule (its parameters live under the attribute it is assigned to).
+    Called inside a compact module, a parameterised score becomes that module's
+    submodule named ``module_name`` (its parameters live there).
     """
     if name not in _SCORE_FNS:
-        raise ValueError(
-            f"unknown score function {name!r}; registered: {', '.join(_SCORE_FNS)}"
-        )
+        raise ValueError(f"unknown score function {name!r}; registered: {', '.join(_SCORE_FNS)}")
     return _SCORE_FNS[name](
-        num_heads=num_heads, head_dim=head_dim, dtype=dtype, param_dtype=param_dtype
+        num_heads=num_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        module_name=module_name,
     )
 
 
@@ -150,13 +153,17 @@ class BilinearScore(nn.Module):
 
 
 @register_score_fn("additive")
-def _additive_factory(*, num_heads, head_dim, dtype, param_dtype) -> ScoreFn:
-    return AdditiveScore(num_heads, head_dim, dtype=dtype, param_dtype=param_dtype)
+def _additive_factory(*, num_heads, head_dim, dtype, param_dtype, module_name) -> ScoreFn:
+    return AdditiveScore(
+        num_heads, head_dim, dtype=dtype, param_dtype=param_dtype, name=module_name
+    )
 
 
 @register_score_fn("bilinear")
-def _bilinear_factory(*, num_heads, head_dim, dtype, param_dtype) -> ScoreFn:
-    return BilinearScore(num_heads, head_dim, dtype=dtype, param_dtype=param_dtype)
+def _bilinear_factory(*, num_heads, head_dim, dtype, param_dtype, module_name) -> ScoreFn:
+    return BilinearScore(
+        num_heads, head_dim, dtype=dtype, param_dtype=param_dtype, name=module_name
+    )
 
 
 # The core ---------------------------------------------------------------------

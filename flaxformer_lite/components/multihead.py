@@ -48,33 +48,7 @@ class MultiHeadAttention(nn.Module):
     config: ModelConfig
     self_attention: bool = True
 
-    def setup(self):
-        c = self.config
-        h, dk, dv = c.num_heads, c.head_dim_qk, c.head_dim_v
-
-        def dense(features, axis=-1, name=None):
-            return nn.DenseGeneral(
-                features=features,
-                axis=axis,
-                use_bias=c.use_bias,
-                dtype=c.compute_dtype,
-                param_dtype=c.parameter_dtype,
-                kernel_init=projection_init(),
-                name=name,
-            )
-
-        self.query = dense((h, dk), name="query")
-        self.key = dense((h, dk), name="key")
-        self.value = dense((h, dv), name="value")
-        self.out = dense(c.d_model, axis=(-2, -1), name="out")
-        self.score = make_score_fn(
-            c.score_fn,
-            num_heads=h,
-            head_dim=dk,
-            dtype=c.compute_dtype,
-            param_dtype=c.parameter_dtype,
-        )
-
+    @nn.compact
     def __call__(
         self,
         inputs_q: Array,
@@ -98,21 +72,46 @@ class MultiHeadAttention(nn.Module):
           ``[b, q, m]``.
         """
         c = self.config
-        query = self.query(inputs_q)
+        h, dk, dv = c.num_heads, c.head_dim_qk, c.head_dim_v
+
+        def dense(features, axis, name):
+            return nn.DenseGeneral(
+                features=features,
+                axis=axis,
+                use_bias=c.use_bias,
+                dtype=c.compute_dtype,
+                param_dtype=c.parameter_dtype,
+                kernel_init=projection_init(),
+                name=name,
+            )
+
+        project_query = dense((h, dk), -1, "query")
+        project_key = dense((h, dk), -1, "key")
+        project_value = dense((h, dv), -1, "value")
+        score = make_score_fn(
+            c.score_fn,
+            num_heads=h,
+            head_dim=dk,
+            dtype=c.compute_dtype,
+            param_dtype=c.parameter_dtype,
+            module_name="score",
+        )
+
+        query = project_query(inputs_q)
         if self.self_attention:
-            key, value = self.key(inputs_q), self.value(inputs_q)
+            key, value = project_key(inputs_q), project_value(inputs_q)
             if decode:
                 key, value, mask = self._self_attention_cache(key, value, mask)
         else:
-            key, value = self._cross_attention_kv(inputs_kv, decode)
+            key, value = self._cross_attention_kv(inputs_kv, decode, project_key, project_value)
 
-        weights = attention_weights(query, key, mask, score_fn=self.score)
+        weights = attention_weights(query, key, mask, score_fn=score)
         if c.sow_attention_weights:
             self.sow("intermediates", "attention_weights", weights)
         if not deterministic and c.attention_dropout > 0.0:
             weights = dropout_weights(weights, c.attention_dropout, self.make_rng("dropout"))
         x = jnp.einsum("bhqk,bkhv->bqhv", weights, value)
-        return self.out(x)
+        return dense(c.d_model, (-2, -1), "out")(x)
 
     def _self_attention_cache(
         self, key: Array, value: Array, mask: Array | None
@@ -135,11 +134,13 @@ class MultiHeadAttention(nn.Module):
         cache_mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
         return cached_key.value, cached_value.value, combine_masks(mask, cache_mask)
 
-    def _cross_attention_kv(self, inputs_kv: Array | None, decode: bool) -> tuple[Array, Array]:
+    def _cross_attention_kv(
+        self, inputs_kv: Array | None, decode: bool, project_key, project_value
+    ) -> tuple[Array, Array]:
         if not decode:
             if inputs_kv is None:
                 raise ValueError("cross-attention needs inputs_kv (the encoder output)")
-            return self.key(inputs_kv), self.value(inputs_kv)
+            return project_key(inputs_kv), project_value(inputs_kv)
         if inputs_kv is None:
             if not self.has_variable("cache", "cross_key"):
                 raise ValueError(
@@ -148,7 +149,7 @@ class MultiHeadAttention(nn.Module):
                 )
             cache = self.variables["cache"]
             return cache["cross_key"], cache["cross_value"]
-        key, value = self.key(inputs_kv), self.value(inputs_kv)
+        key, value = project_key(inputs_kv), project_value(inputs_kv)
         cross_key = self.variable("cache", "cross_key", lambda: key)
         cross_value = self.variable("cache", "cross_value", lambda: value)
         cross_key.value, cross_value.value = key, value
