@@ -55,6 +55,7 @@ class ModelConfig:
     residual_dropout: float = 0.1  # on each sublayer output before the residual add
     attention_dropout: float = 0.0  # on the attention weights
     ffn_dropout: float = 0.0  # on the FFN hidden activations
+    dropout_bits: int = 8  # random bits per dropout draw: 8 (fast; rate rounded to k/256) | 32
 
     # Ablation hooks.
     score_fn: str = "scaled_dot"  # scaled_dot | dot | additive | bilinear | any registered name
@@ -165,6 +166,10 @@ def _validate(c: ModelConfig) -> None:
     _check_choice("positional", c.positional, POSITIONALS)
     _check_choice("tie_embeddings", c.tie_embeddings, TIE_EMBEDDINGS)
     _check_choice("activation", c.activation, ACTIVATIONS)
+    if c.dropout_bits not in (8, 16, 32):
+        raise ConfigError(
+            f"model.dropout_bits={c.dropout_bits!r} is not allowed; choose 8, 16 or 32"
+        )
     _check_choice("dtype", c.dtype, DTYPES)
     _check_choice("param_dtype", c.param_dtype, DTYPES)
     if c.positional == "sinusoidal" and c.d_model % 2:

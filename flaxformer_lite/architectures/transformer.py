@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
+from flaxformer_lite.components.dropout import Dropout
 from flaxformer_lite.components.embedding import (
     Embed,
     LearnedPositions,
@@ -64,7 +65,7 @@ def _residual(
 ) -> Array:
     """post-LN: LN(x + Dropout(f(x))) (paper); pre-LN: x + Dropout(f(LN(x)))."""
     norm = _layer_norm(c, f"{name}_norm")
-    drop = nn.Dropout(c.residual_dropout)
+    drop = Dropout(c.residual_dropout, c.dropout_bits)
     if c.ln_position == "pre":
         return x + drop(sublayer(norm(x)), deterministic=deterministic)
     return norm(x + drop(sublayer(x), deterministic=deterministic))
@@ -147,7 +148,7 @@ def _embed_with_positions(
         x = x + LearnedPositions(
             c.max_len, c.d_model, c.compute_dtype, c.parameter_dtype, name="positions"
         )(positions)
-    return nn.Dropout(c.embedding_dropout)(x, deterministic=deterministic)
+    return Dropout(c.embedding_dropout, c.dropout_bits)(x, deterministic=deterministic)
 
 
 def _make_embed(c: ModelConfig, name: str) -> Embed:

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from flaxformer_lite.components.dropout import dropout
+
 ScoreFn = Callable[[Array, Array], Array]
 ScoreFactory = Callable[..., ScoreFn]
 
@@ -217,14 +219,13 @@ def attention_weights(
     return weights.astype(query.dtype)
 
 
-def dropout_weights(weights: Array, rate: float, rng: Array | None) -> Array:
-    """Inverted dropout on attention weights."""
+def dropout_weights(weights: Array, rate: float, rng: Array | None, bits: int = 32) -> Array:
+    """Inverted dropout on attention weights (``bits``: see components/dropout.py)."""
     if rate <= 0.0:
         return weights
     if rng is None:
         raise ValueError("attention dropout needs dropout_rng when deterministic=False")
-    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
-    return jnp.where(keep, weights / (1.0 - rate), 0.0).astype(weights.dtype)
+    return dropout(weights, rate, rng, bits)
 
 
 def dot_product_attention(

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 from jax import Array
 
+from flaxformer_lite.components.dropout import Dropout
 from flaxformer_lite.config import ModelConfig
 
 ACTIVATIONS = {
@@ -32,5 +33,5 @@ class FeedForward(nn.Module):
             name=name,
         )
         h = ACTIVATIONS[c.activation](dense(c.d_ff, "wi")(x))
-        h = nn.Dropout(c.ffn_dropout)(h, deterministic=deterministic)
+        h = Dropout(c.ffn_dropout, c.dropout_bits)(h, deterministic=deterministic)
         return dense(c.d_model, "wo")(h)

@@ -109,7 +109,9 @@ class MultiHeadAttention(nn.Module):
         if c.sow_attention_weights:
             self.sow("intermediates", "attention_weights", weights)
         if not deterministic and c.attention_dropout > 0.0:
-            weights = dropout_weights(weights, c.attention_dropout, self.make_rng("dropout"))
+            weights = dropout_weights(
+                weights, c.attention_dropout, self.make_rng("dropout"), c.dropout_bits
+            )
         x = jnp.einsum("bhqk,bkhv->bqhv", weights, value)
         return dense(c.d_model, (-2, -1), "out")(x)
 

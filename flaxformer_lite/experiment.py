@@ -1,0 +1,239 @@
+"""Experiment configs: the ml_collections sections around the model, and their checks.
+
+An experiment config (``configs/*.py``) has four sections:
+
+* ``model``: the fields of :class:`flaxformer_lite.config.ModelConfig`;
+* ``data``: corpus, direction, lengths, packing;
+* ``train``: steps, batch, parallelism, logging/eval/checkpoint cadence;
+* ``optimizer``: Adam and its schedule.
+
+``base_config()`` gives every field a default (the paper's training recipe),
+``apply_variants(config, arg)`` applies ``get_config`` arguments such as
+``debug`` (a seconds-long CPU run), and ``validate_experiment`` checks all of
+it, before any data is read.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from flaxformer_lite.config import ConfigError, ModelConfig, model_config_dict, model_config_from
+
+EXPERIMENT_SECTIONS = {
+    "model": None,  # validated by ModelConfig
+    "data": {
+        "dataset": str,  # local builder name (ding_de_en, bible_en_es) or any TFDS name
+        "source_lang": str,  # feature read as the source sentence
+        "target_lang": str,  # feature read as the target sentence
+        "data_dir": str,  # where TFDS datasets are written/read
+        "train_splits": str,  # comma-separated, e.g. "train,train_phrases"
+        "eval_split": str,
+        "test_split": str,
+        "max_length": int,  # tokens per side (incl. EOS); also the packed row length
+        "too_long": str,  # drop | truncate
+        "pack": bool,
+        "tokenizer_max_sentences": int,
+    },
+    "train": {
+        "seed": int,
+        "batch_size": int,  # rows per step, all devices together
+        "num_steps": int,
+        "label_smoothing": float,
+        "parallelism": str,  # jit (sharded over a device mesh) | pmap
+        "log_every": int,
+        "eval_every": int,
+        "checkpoint_every": int,
+        "keep_checkpoints": int,
+        "best_metric": str,  # validation metric that selects the best checkpoint
+        "eval_batches": int,  # 0 = the whole validation split
+    },
+    "optimizer": {
+        "b1": float,
+        "b2": float,
+        "eps": float,
+        "schedule": str,  # noam | warmup_cosine | constant
+        "learning_rate": float,  # noam: a multiplier (paper 1.0); others: the peak value
+        "warmup_steps": int,
+        "clip_grad_norm": float,  # 0 = off
+        "grad_accum_steps": int,  # >1: optax.MultiSteps
+        "weight_decay": float,  # 0 = Adam (paper); >0 = AdamW
+    },
+}
+PARALLELISM = ("jit", "pmap")
+BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max"}
+
+
+def validate_experiment(config) -> ModelConfig:
+    """Check every section of an experiment config; return the model's ModelConfig.
+
+    Runs before any data is read, so a typo costs nothing.
+    """
+    from flaxformer_lite.training.schedules import SCHEDULES
+
+    for section, fields in EXPERIMENT_SECTIONS.items():
+        if section not in config:
+            raise ConfigError(f"the config has no {section!r} section; see configs/ende_small.py")
+        if fields is None:
+            continue
+        present = set(config[section].keys())
+        missing = sorted(set(fields) - present)
+        unknown = sorted(present - set(fields))
+        if missing or unknown:
+            raise ConfigError(
+                f"config.{section}: missing fields {missing}, unknown fields {unknown}; "
+                f"expected {sorted(fields)}"
+            )
+        for name, kind in fields.items():
+            value = config[section][name]
+            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok:
+                raise ConfigError(
+                    f"config.{section}.{name}={value!r} must be of type {kind.__name__}"
+                )
+    model = model_config_from(config)
+    d, t, o = config.data, config.train, config.optimizer
+
+    def positive(section, name, value):
+        if value <= 0:
+            raise ConfigError(f"config.{section}.{name}={value!r} must be > 0")
+
+    for name in ("max_length", "tokenizer_max_sentences"):
+        positive("data", name, d[name])
+    for name in (
+        "batch_size",
+        "num_steps",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+    ):
+        positive("train", name, t[name])
+    for name in ("eps", "learning_rate"):
+        positive("optimizer", name, o[name])
+    positive("optimizer", "grad_accum_steps", o.grad_accum_steps)
+    if d.too_long not in ("drop", "truncate"):
+        raise ConfigError(f"config.data.too_long={d.too_long!r}; choose drop or truncate")
+    if d.source_lang == d.target_lang:
+        raise ConfigError(f"config.data.source_lang and target_lang are both {d.source_lang!r}")
+    if d.max_length > model.max_len:
+        raise ConfigError(
+            f"config.data.max_length={d.max_length} exceeds model.max_len={model.max_len}; "
+            "raise model.max_len or lower data.max_length"
+        )
+    if not 0.0 <= t.label_smoothing < 1.0:
+        raise ConfigError(f"config.train.label_smoothing={t.label_smoothing} must be in [0, 1)")
+    if t.parallelism not in PARALLELISM:
+        raise ConfigError(
+            f"config.train.parallelism={t.parallelism!r}; choose one of {', '.join(PARALLELISM)}"
+        )
+    if t.best_metric not in BEST_METRICS:
+        raise ConfigError(
+            f"config.train.best_metric={t.best_metric!r}; choose one of {', '.join(BEST_METRICS)}"
+        )
+    if t.eval_batches < 0:
+        raise ConfigError(f"config.train.eval_batches={t.eval_batches} must be >= 0 (0 = all)")
+    for name in ("b1", "b2"):
+        if not 0.0 <= o[name] < 1.0:
+            raise ConfigError(f"config.optimizer.{name}={o[name]} must be in [0, 1)")
+    if o.schedule not in SCHEDULES:
+        raise ConfigError(
+            f"config.optimizer.schedule={o.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+        )
+    if o.schedule == "noam" and o.warmup_steps <= 0:
+        raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
+    if o.warmup_steps < 0 or o.clip_grad_norm < 0 or o.weight_decay < 0:
+        raise ConfigError(
+            "config.optimizer.warmup_steps, clip_grad_norm and weight_decay must be >= 0"
+        )
+    return model
+
+
+def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
+    """Every section with defaults: the paper's optimizer (Adam 0.9/0.98/1e-9, noam,
+    warmup 4000, label smoothing 0.1) on the local EN->DE corpus."""
+    config = ml_collections.ConfigDict()
+    config.model = model_config_dict(model)
+    config.data = ml_collections.ConfigDict(
+        {
+            "dataset": "ding_de_en",
+            "source_lang": "en",  # EN->DE, the paper's direction
+            "target_lang": "de",
+            "data_dir": "data/tfds",
+            "train_splits": "train",
+            "eval_split": "validation",
+            "test_split": "test",
+            "max_length": 64,
+            "too_long": "drop",
+            "pack": True,
+            "tokenizer_max_sentences": 1_000_000,
+        }
+    )
+    config.train = ml_collections.ConfigDict(
+        {
+            "seed": 0,
+            "batch_size": 64,
+            "num_steps": 100_000,
+            "label_smoothing": 0.1,
+            "parallelism": "jit",
+            "log_every": 50,
+            "eval_every": 1000,
+            "checkpoint_every": 1000,
+            "keep_checkpoints": 5,
+            "best_metric": "loss",
+            "eval_batches": 0,
+        }
+    )
+    config.optimizer = ml_collections.ConfigDict(
+        {
+            "b1": 0.9,
+            "b2": 0.98,
+            "eps": 1e-9,
+            "schedule": "noam",
+            "learning_rate": 1.0,
+            "warmup_steps": 4000,
+            "clip_grad_norm": 0.0,
+            "grad_accum_steps": 1,
+            "weight_decay": 0.0,
+        }
+    )
+    return config
+
+
+VARIANTS = ("debug",)
+
+
+def apply_variants(config: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+    """Apply comma-separated ``get_config`` arguments (``--config=configs/x.py:debug``).
+
+    ``debug``: a tiny model and a few steps, seconds on a CPU, same code paths.
+    """
+    for variant in filter(None, (arg or "").split(",")):
+        if variant not in VARIANTS:
+            raise ConfigError(
+                f"unknown config variant {variant!r}; choose from {', '.join(VARIANTS)}"
+            )
+        if variant == "debug":
+            config.model.update(
+                vocab_size=min(config.model.vocab_size, 400),
+                d_model=32,
+                num_heads=2,
+                d_ff=64,
+                num_encoder_layers=1,
+                num_decoder_layers=1,
+                d_k=None,
+                d_v=None,
+            )
+            config.data.max_length = min(config.data.max_length, 32)
+            config.data.tokenizer_max_sentences = 20_000
+            config.train.update(
+                batch_size=8,
+                num_steps=6,
+                log_every=2,
+                eval_every=3,
+                checkpoint_every=3,
+                eval_batches=2,
+            )
+            config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, 4)
+    return config

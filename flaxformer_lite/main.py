@@ -1,0 +1,86 @@
+"""Command line: flags only; the work is in training/ (and decoding, later).
+
+  python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=runs/x \\
+      [--config.model.num_heads=4 ...]
+  python -m flaxformer_lite.main average --workdir=runs/x --num=5
+
+``train`` (the default command) trains or resumes; ``average`` writes the mean
+of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "Experiment config file, e.g. configs/ende_small.py[:debug].",
+    lock_config=True,
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, logs, tokenizer.")
+_NUM = flags.DEFINE_integer("num", 5, "average: how many of the last checkpoints.")
+
+COMMANDS = ("train", "average")
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main(argv: list[str]) -> None:
+    from flaxformer_lite.checkpoints import CheckpointError
+    from flaxformer_lite.config import ConfigError
+    from flaxformer_lite.data.prepare import PrepareError
+    from flaxformer_lite.training.train import TrainingError
+
+    if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
+        logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines drown the progress bar
+    command = argv[1] if len(argv) > 1 else "train"
+    if command not in COMMANDS or len(argv) > 2:
+        _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
+    if not _WORKDIR.value:
+        _fail("--workdir is required (the run's folder)")
+    try:
+        if command == "train":
+            if _CONFIG.value is None:
+                _fail("--config is required, e.g. --config=configs/ende_small.py")
+            from flaxformer_lite.training.train import train_and_evaluate
+
+            train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        elif command == "average":
+            from flaxformer_lite.training.average import average_workdir
+
+            average_workdir(_WORKDIR.value, _NUM.value)
+    except (ConfigError, TrainingError, CheckpointError, PrepareError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
+def _from_config_flags(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb is not None:
+        if "ml_collections" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def run() -> None:
+    try:
+        app.run(main)
+    except (AttributeError, KeyError) as e:
+        if not _from_config_flags(e):
+            raise
+        overrides = [a.split("=")[0] for a in sys.argv if a.startswith("--config.")]
+        _fail(
+            f"unknown config field {str(e).strip(chr(34))} in the overrides {overrides}; "
+            "see the config file (and flaxformer_lite/config.py) for the fields"
+        )
+
+
+if __name__ == "__main__":
+    run()

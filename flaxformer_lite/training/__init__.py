@@ -1,0 +1,1 @@
+"""Training: schedules, losses, optimizer, train state, jit/pmap steps, the loop."""

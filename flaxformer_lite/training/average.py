@@ -1,0 +1,37 @@
+"""Average the last n checkpoints of a workdir (the paper: last 5 for base, 20 for big)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import ml_collections
+
+from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.experiment import validate_experiment
+from flaxformer_lite.training.state import create_train_state, make_optimizer
+
+
+def load_run_config(workdir: str | Path) -> ml_collections.ConfigDict:
+    values = ckpt_lib.read_config(workdir)
+    if values is None:
+        raise ckpt_lib.CheckpointError(f"{workdir} has no {ckpt_lib.CONFIG_FILE}: not a run folder")
+    return ml_collections.ConfigDict(values)
+
+
+def abstract_train_state(config):
+    """Shapes/dtypes of the run's TrainState, without allocating it."""
+    model_config = validate_experiment(config)
+    tx, _ = make_optimizer(config.optimizer, model_config, config.train.num_steps)
+    model = Transformer(model_config)
+    return jax.eval_shape(
+        lambda: create_train_state(model, tx, config.train.seed, config.data.max_length)
+    )
+
+
+def average_workdir(workdir: str | Path, num: int) -> int:
+    config = load_run_config(workdir)
+    step, steps = ckpt_lib.average_last(workdir, abstract_train_state(config), num)
+    print(f"averaged the parameters of steps {steps} into {workdir}/checkpoints_averaged/{step}")
+    return step

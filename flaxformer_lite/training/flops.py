@@ -1,0 +1,60 @@
+"""Model FLOPs of a training step, and a matmul peak to divide them by (MFU).
+
+Counted analytically for the encoder-decoder (multiply-adds x 2; training =
+forward x 3), over every slot of the padded/packed batch, since that is
+what the hardware computes:
+
+per source token, per encoder layer:  8 d^2 (Q,K,V,O) + 4 L_s d_k h (scores, AV) + 4 d d_ff
+per target token, per decoder layer:  8 d^2 + 4 L_t d_k h   (self-attention)
+                                     + 4 d^2 + 4 L_s d_k h   (cross: Q, O, scores, AV)
+                                     + 4 d d_ff
+per source token, per decoder layer:  4 d^2                  (cross-attention K, V)
+per target token:                     2 d V                  (output projection)
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.config import ModelConfig
+
+
+def forward_flops(c: ModelConfig, batch: int, source_len: int, target_len: int) -> float:
+    d, f, h = c.d_model, c.d_ff, c.num_heads
+    qk, v = c.head_dim_qk, c.head_dim_v
+    proj = 2 * d * h * (2 * qk + v) + 2 * h * v * d  # Q, K, V, O for one token
+    attn_self_t = 2 * target_len * h * (qk + v)
+    attn_enc = 2 * source_len * h * (qk + v)
+    attn_cross = 2 * source_len * h * (qk + v)
+    ffn = 4 * d * f
+    enc_token = proj + attn_enc + ffn
+    cross_q_o = 2 * d * h * qk + 2 * h * v * d
+    cross_k_v = 2 * d * h * (qk + v)
+    dec_token = proj + attn_self_t + cross_q_o + attn_cross + ffn
+    src_tokens, tgt_tokens = batch * source_len, batch * target_len
+    total = c.num_encoder_layers * src_tokens * enc_token
+    total += c.num_decoder_layers * (tgt_tokens * dec_token + src_tokens * cross_k_v)
+    total += tgt_tokens * 2 * d * c.vocab_size
+    return float(total)
+
+
+def train_step_flops(c: ModelConfig, batch: int, source_len: int, target_len: int) -> float:
+    """Forward + backward (= 3 x forward)."""
+    return 3.0 * forward_flops(c, batch, source_len, target_len)
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 10, dtype=jnp.float32) -> float:
+    """Best observed FLOP/s of an ``n x n`` matmul on the default device (this process)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(jnp.dot)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best

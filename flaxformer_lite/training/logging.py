@@ -1,0 +1,69 @@
+"""Where measurements go: TensorBoard event files (tensorboardX, no TensorFlow),
+a JSON-lines file, and a one-line console progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class MetricsLogger:
+    def __init__(self, workdir: str | Path, total_steps: int, enabled: bool = True):
+        from tensorboardX import SummaryWriter
+
+        self.workdir = Path(workdir)
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.jsonl = open(self.workdir / "metrics.jsonl", "a") if enabled else None
+        self.tb = SummaryWriter(str(self.workdir / "tensorboard")) if enabled else None
+        self.start_time = time.perf_counter()
+        self.start_step: int | None = None
+        self.tty = sys.stdout.isatty()
+
+    def write(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "split": prefix, "time": time.time(), **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                self.tb.add_scalar(f"{prefix}/{key}", value, step)
+        self.tb.flush()
+
+    def progress(self, step: int, metrics: dict[str, float]) -> None:
+        """``step 120/3000 [###.......] loss 4.31 acc 0.31 12.3k tok/s ETA 9:41``."""
+        if self.start_step is None:
+            self.start_step, self.start_time = step, time.perf_counter()
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.start_time
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
+        width = 20
+        filled = int(width * step / max(self.total_steps, 1))
+        bar = "#" * filled + "." * (width - filled)
+        line = (
+            f"step {step}/{self.total_steps} [{bar}] loss {metrics['loss']:.3f} "
+            f"acc {metrics['accuracy']:.3f} lr {metrics['learning_rate']:.2e} "
+            f"{metrics.get('tokens_per_sec', 0.0) / 1000:.1f}k tok/s "
+            f"ETA {_format_duration(eta) if math.isfinite(eta) else '?'}"
+        )
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def message(self, text: str) -> None:
+        print(("\n" if self.tty else "") + text, flush=True)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()

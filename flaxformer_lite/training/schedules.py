@@ -1,0 +1,58 @@
+"""Learning-rate schedules (optax ``count -> lr``; ``count`` = updates done so far).
+
+``noam`` is the paper's (Section 5.3), exactly:
+    lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+with ``step = count + 1`` (the paper counts steps from 1), times an optional
+``scale`` (1.0 in the paper).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("noam", "warmup_cosine", "constant")
+
+
+def noam(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
+    if warmup_steps <= 0:
+        raise ValueError(f"warmup_steps={warmup_steps} must be positive for the noam schedule")
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        return scale * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
+
+    return schedule
+
+
+def warmup_cosine(
+    peak: float, warmup_steps: int, total_steps: int, end_fraction: float = 0.0
+) -> optax.Schedule:
+    """Linear warmup to ``peak``, then cosine decay to ``end_fraction * peak``."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=peak,
+        warmup_steps=max(warmup_steps, 1),
+        decay_steps=max(total_steps, warmup_steps + 1),
+        end_value=peak * end_fraction,
+    )
+
+
+def constant(value: float, warmup_steps: int = 0) -> optax.Schedule:
+    if warmup_steps <= 0:
+        return optax.constant_schedule(value)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, value, warmup_steps), optax.constant_schedule(value)],
+        [warmup_steps],
+    )
+
+
+def make_schedule(opt, d_model: int, total_steps: int) -> optax.Schedule:
+    """The schedule named by ``opt.schedule`` (an ``optimizer`` config section)."""
+    if opt.schedule == "noam":
+        return noam(d_model, opt.warmup_steps, opt.learning_rate)
+    if opt.schedule == "warmup_cosine":
+        return warmup_cosine(opt.learning_rate, opt.warmup_steps, total_steps)
+    if opt.schedule == "constant":
+        return constant(opt.learning_rate, opt.warmup_steps)
+    raise ValueError(f"optimizer.schedule={opt.schedule!r}; choose one of {', '.join(SCHEDULES)}")

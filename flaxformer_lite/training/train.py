@@ -1,0 +1,247 @@
+"""``train_and_evaluate(config, workdir)``: the whole training run, importable from Colab.
+
+config -> validation -> data (TFDS -> tokenizer -> packed grain batches) ->
+jitted/pmapped train step -> metrics, evaluation, checkpoints. Re-running with
+the same workdir resumes from its latest checkpoint (same data order, same
+dropout randomness) after checking that the workdir holds the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.data import pipeline
+from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
+from flaxformer_lite.experiment import BEST_METRICS, validate_experiment
+from flaxformer_lite.training import flops, losses
+from flaxformer_lite.training.logging import MetricsLogger
+from flaxformer_lite.training.parallel import DataParallel
+from flaxformer_lite.training.state import (
+    TrainState,
+    create_train_state,
+    make_optimizer,
+    parameter_count,
+)
+from flaxformer_lite.training.steps import eval_step, train_step
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message names the cause and the fix."""
+
+
+@dataclasses.dataclass
+class TranslationData:
+    tokenizer: Tokenizer
+    train: list[dict[str, np.ndarray]]
+    validation: list[dict[str, np.ndarray]]
+    stats: dict[str, pipeline.PipelineStats]
+
+
+def prepare_data(config, workdir: Path) -> TranslationData:
+    """Text splits -> the workdir's tokenizer (trained on train splits once) -> token ids."""
+    d = config.data
+    train_pairs: list[tuple[str, str]] = []
+    for split in filter(None, (s.strip() for s in d.train_splits.split(","))):
+        train_pairs += pipeline.load_text_pairs(
+            d.dataset, split, d.source_lang, d.target_lang, d.data_dir
+        )
+    eval_pairs = pipeline.load_text_pairs(
+        d.dataset, d.eval_split, d.source_lang, d.target_lang, d.data_dir
+    )
+
+    def sentences():
+        rng = np.random.default_rng(0)
+        order = rng.permutation(len(train_pairs))[: d.tokenizer_max_sentences // 2]
+        for i in order:
+            yield train_pairs[i][0]
+            yield train_pairs[i][1]
+
+    tokenizer = load_or_train(workdir, sentences, config.model.vocab_size)
+    train, train_stats = pipeline.tokenize_pairs(train_pairs, tokenizer, d.max_length, d.too_long)
+    validation, eval_stats = pipeline.tokenize_pairs(
+        eval_pairs, tokenizer, d.max_length, "truncate"
+    )
+    return TranslationData(
+        tokenizer, train, validation, {"train": train_stats, "validation": eval_stats}
+    )
+
+
+def _check_workdir(config, workdir: Path) -> None:
+    """Writable, and holding no other model's run (a clear error, never a shape crash)."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TrainingError(
+            f"cannot write to --workdir={workdir} ({e.strerror}); choose a writable folder"
+        ) from e
+    previous = ckpt_lib.read_config(workdir)
+    if previous is None:
+        return
+    current = json.loads(config.to_json())
+    for section in ("model", "data"):
+        old, new = previous.get(section, {}), current.get(section, {})
+        differ = sorted(
+            k for k in set(old) | set(new) if k != "data_dir" and old.get(k) != new.get(k)
+        )
+        if differ:
+            details = ", ".join(f"{section}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ)
+            raise TrainingError(
+                f"--workdir={workdir} holds a run of a different {section} ({details}); "
+                "use a new --workdir, or the config that run was trained with"
+            )
+
+
+def _evaluate(p_eval, par: DataParallel, state, batches) -> dict[str, float]:
+    total = None
+    params = state.params
+    for batch in batches:
+        s = p_eval(params, par.put_batch(batch))
+        s = par.unreplicate(s)
+        total = s if total is None else jax.tree.map(lambda a, b: a + b, total, s)
+    return {k: float(v) for k, v in losses.summarize(jax.device_get(total)).items()}
+
+
+def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
+    """Train ``config`` in ``workdir`` (resuming if it holds a checkpoint).
+
+    Returns the final validation metrics (loss, nll, perplexity, accuracy).
+    """
+    model_config = validate_experiment(config)  # before any data is read
+    workdir = Path(workdir)
+    _check_workdir(config, workdir)
+    t, d = config.train, config.data
+    par = DataParallel(t.parallelism)
+    par.check_batch_size(t.batch_size)
+    if t.batch_size % jax.process_count():
+        raise TrainingError(f"train.batch_size={t.batch_size} must divide among processes")
+    is_chief = jax.process_index() == 0
+    if is_chief:
+        ckpt_lib.write_config(workdir, config.to_json(indent=2))
+
+    data = prepare_data(config, workdir)
+    if data.tokenizer.vocab_size != model_config.vocab_size:
+        raise TrainingError(
+            f"the tokenizer in {workdir} has {data.tokenizer.vocab_size} pieces but "
+            f"model.vocab_size={model_config.vocab_size}; use a new --workdir"
+        )
+    st = data.stats["train"]
+    print(
+        f"data: {st.examples} training pairs ({st.dropped_too_long} over {d.max_length} tokens "
+        f"dropped, {st.truncated} truncated, {st.dropped_empty} empty skipped), "
+        f"{len(data.validation)} validation pairs"
+    )
+
+    model = Transformer(model_config)
+    tx, schedule = make_optimizer(config.optimizer, model_config, t.num_steps)
+    state = create_train_state(model, tx, t.seed, d.max_length)
+    print(
+        f"model: {parameter_count(state.params):,} parameters; {par.num_devices} "
+        f"{jax.devices()[0].platform} device(s), parallelism={par.kind}"
+    )
+    iterator = pipeline.train_iterator(
+        data.train,
+        batch_size=t.batch_size // jax.process_count(),
+        max_length=d.max_length,
+        seed=t.seed,
+        pack=d.pack,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    checkpoints = ckpt_lib.Checkpoints(
+        workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
+    )
+    if checkpoints.latest_step() is not None:
+        state, data_state = checkpoints.restore(state)
+        if "iterator" in data_state:
+            iterator.set_state(data_state["iterator"])
+        print(f"resumed from step {int(state.step)} in {workdir}")
+    start = int(state.step)
+
+    p_train = par.train_step(
+        train_step,
+        model=model,
+        tx=tx,
+        schedule=schedule,
+        label_smoothing=t.label_smoothing,
+        pad_id=model_config.pad_id,
+        grad_accum_steps=config.optimizer.grad_accum_steps,
+    )
+    p_eval = par.eval_step(
+        eval_step, model=model, label_smoothing=t.label_smoothing, pad_id=model_config.pad_id
+    )
+    eval_batches = pipeline.eval_batches(
+        data.validation, batch_size=t.batch_size, max_length=d.max_length
+    )
+    if t.eval_batches:
+        eval_batches = eval_batches[: t.eval_batches]
+    step_flops = flops.train_step_flops(model_config, t.batch_size, d.max_length, d.max_length)
+    logger = MetricsLogger(workdir, t.num_steps, enabled=is_chief)
+    state = par.put_state(state)
+    final: dict[str, float] = {}
+    window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+    try:
+        for step in range(start + 1, t.num_steps + 1):
+            batch = next(iterator)
+            window_tokens += int((batch["targets"] != 0).sum())
+            window_steps += 1
+            state, metrics = p_train(state, par.put_batch(batch))
+            last = step == t.num_steps
+            if step % t.log_every == 0 or last:
+                m = par.metrics_to_host(metrics)
+                _check_finite(m, step, checkpoints, t.log_every)
+                elapsed = time.perf_counter() - window_start
+                m["tokens_per_sec"] = window_tokens / elapsed
+                m["step_time"] = elapsed / window_steps
+                m["tflops_per_sec"] = step_flops / m["step_time"] / 1e12
+                logger.write(step, m)
+                if is_chief:
+                    logger.progress(step, m)
+                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+            if step % t.eval_every == 0 or last:
+                final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
+                logger.write(step, final, prefix="validation")
+                logger.message(
+                    f"validation @ {step}: loss {final['loss']:.4f}, nll {final['nll']:.4f}, "
+                    f"perplexity {final['perplexity']:.2f}, accuracy {final['accuracy']:.4f}"
+                )
+                checkpoints.save_best(step, par.unreplicate(state), final[t.best_metric])
+            if step % t.checkpoint_every == 0 or last:
+                m = par.metrics_to_host(metrics)
+                _check_finite(m, step, checkpoints, t.log_every)
+                checkpoints.save(step, par.unreplicate(state), {"iterator": iterator.get_state()})
+            if step % t.eval_every == 0 or step % t.checkpoint_every == 0:
+                # Evaluation and saving are not training time.
+                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+    finally:
+        iterator.close()
+        checkpoints.close()
+        logger.close()
+    if not final:  # nothing left to train: report the checkpoint's validation metrics
+        final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
+    return final
+
+
+def _check_finite(m: dict[str, float], step: int, checkpoints, window: int) -> None:
+    if not math.isfinite(m["loss"]) or not math.isfinite(m["grad_norm"]):
+        good = checkpoints.latest_step()
+        raise TrainingError(
+            f"the loss is {m['loss']} (gradient norm {m['grad_norm']}) at step {step} "
+            f"(checked every {window} steps); the last good checkpoint is "
+            f"{'step ' + str(good) if good is not None else 'none'} and was kept. Lower "
+            "optimizer.learning_rate or set optimizer.clip_grad_norm, then rerun to resume"
+        )
+
+
+__all__ = ["TrainState", "TrainingError", "prepare_data", "train_and_evaluate"]

@@ -1,0 +1,105 @@
+"""Small corpora in the real formats, written by the tests (nothing is committed)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+DING_HEADER = "# Version :: test\n# Copyright (c) :: nobody\n"
+
+DING_LINES = [
+    "Aal {m} [cook.] | Aale {pl} :: eel | eels",
+    "Haus {n}; Gebäude {n} | Häuser {pl} :: house; building | houses",
+    "Wo ist der Bahnhof? [ugs.] :: Where is the station? [coll.]",
+    "Komm her! :: Come here!",
+    "Er kommt morgen. | Sie kam gestern. :: He comes tomorrow. | She came yesterday.",
+    "das ist kaputt <kaput> :: it is broken /ib/",
+    "no separator here",
+    "zwei | Teile :: only one part",
+]
+
+
+def write_ding(path: Path, extra_sentences: int = 0) -> Path:
+    """A Ding file: the lines above, plus ``extra_sentences`` numbered sentence pairs."""
+    lines = list(DING_LINES)
+    for i in range(extra_sentences):
+        lines.append(f"Das ist Satz Nummer {i}. :: This is sentence number {i}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(DING_HEADER + "\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _testament(books: list[tuple[str, list[list[str]]]]) -> list[tuple[int, str]]:
+    """Entries (block, text) in SWORD order: two header entries, then per book
+    an intro, per chapter an intro and its verses; one block per book."""
+    entries = [(0, ""), (0, '<milestone type="x-importer"/>')]
+    for b, (book, chapters) in enumerate(books, start=1):
+        entries.append((b, f'<div osisID="{book}" sID="{book.lower()}1" type="book"/>'))
+        for c, verses in enumerate(chapters, start=1):
+            entries.append((b, f'<chapter osisID="{book}.{c}" sID="{book}.{c}"/>'))
+            entries += [(b, v) for v in verses]
+    return entries
+
+
+def write_sword_module(directory: Path, ot_books, nt_books=()) -> Path:
+    """A zText module folder (ot.bzs/bzv/bzz, nt.*) holding the given books."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, books in (("ot", ot_books), ("nt", nt_books)):
+        if not books:
+            continue
+        entries = _testament(list(books))
+        blocks: dict[int, bytearray] = {}
+        bzv = bytearray()
+        for block, text in entries:
+            data = text.encode("utf-8")
+            buf = blocks.setdefault(block, bytearray())
+            bzv += struct.pack("<IIH", block, len(buf), len(data))
+            buf += data
+        bzs, bzz = bytearray(), bytearray()
+        for block in range(max(blocks) + 1):
+            raw = bytes(blocks.get(block, b""))
+            packed = zlib.compress(raw)
+            bzs += struct.pack("<III", len(bzz), len(packed), len(raw))
+            bzz += packed
+        (directory / f"{name}.bzs").write_bytes(bytes(bzs))
+        (directory / f"{name}.bzv").write_bytes(bytes(bzv))
+        (directory / f"{name}.bzz").write_bytes(bytes(bzz))
+    return directory
+
+
+KJV_BOOKS = [
+    (
+        "Gen",
+        [
+            [
+                'In the <w lemma="strong:H7225">beginning</w> God created the heaven.',
+                'And the earth was without form<note type="x">a note</note>.',
+            ],
+            ["Thus the heavens were finished."],
+        ],
+    ),
+    ("Ruth", [["Now it came to pass in the days when the judges ruled."]]),
+    ("Obad", [["The vision of Obadiah."]]),
+]
+KJV_NT = [("Jude", [["Jude, the servant of Jesus Christ."]])]
+RV_BOOKS = [
+    (
+        "Gen",
+        [
+            ["EN el principio crió Dios los cielos.", "Y la tierra estaba desordenada."],
+            ["Y fueron acabados los cielos."],
+        ],
+    ),
+    ("Ruth", [["Y ACONTECIÓ en los días que gobernaban los jueces."]]),
+    ("Obad", [["Visión de Abdías."]]),
+]
+RV_NT = [("Jude", [["Judas, siervo de Jesucristo."]])]
+
+
+def write_raw_root(root: Path, ding_sentences: int = 1600) -> Path:
+    """A raw_dir laid out like the extracted Debian packages."""
+    write_ding(root / "usr/share/trans/de-en", ding_sentences)
+    write_sword_module(root / "usr/share/sword/modules/texts/ztext/engKJV2006eb", KJV_BOOKS, KJV_NT)
+    write_sword_module(root / "usr/share/sword/modules/texts/ztext/spaRV1909eb", RV_BOOKS, RV_NT)
+    return root

@@ -1,0 +1,232 @@
+"""prepare -> TFDS builders (array_record, no TensorFlow) -> tokenizer -> packed batches."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from flaxformer_lite import Transformer
+from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.data import builders, pipeline, prepare
+from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer
+from flaxformer_lite.training import losses
+from flaxformer_lite.training.steps import eval_step
+from tests import fixtures
+
+
+@pytest.fixture(scope="module")
+def raw_root(tmp_path_factory):
+    return fixtures.write_raw_root(tmp_path_factory.mktemp("raw"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, raw_root):
+    d = tmp_path_factory.mktemp("tfds")
+    for name in ("ding_de_en", "bible_en_es"):
+        builders.build_local_dataset(name, d, raw_dir=raw_root)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory, data_dir):
+    pairs = pipeline.load_text_pairs("ding_de_en", "train", "en", "de", data_dir)
+    return train_tokenizer(
+        (s for p in pairs for s in p),
+        tmp_path_factory.mktemp("tok") / "tokenizer.model",
+        vocab_size=100,
+    )
+
+
+def test_prepare_finds_extracted_packages(raw_root, tmp_path):
+    paths = prepare.locate_dataset("bible_en_es", raw_root)
+    assert paths["sword-text-kjv"].name == "engKJV2006eb"
+    # --source may name the file itself.
+    direct = prepare.locate_dataset(
+        "ding_de_en", tmp_path / "empty", {"trans-de-en": raw_root / "usr/share/trans/de-en"}
+    )
+    assert direct["trans-de-en"] == raw_root / "usr/share/trans/de-en"
+
+
+def test_prepare_errors(tmp_path, raw_root):
+    with pytest.raises(prepare.PrepareError, match="neither .* holds the package's files"):
+        prepare.locate_dataset("ding_de_en", tmp_path, {"trans-de-en": tmp_path / "nope"})
+    with pytest.raises(prepare.PrepareError, match="unknown local dataset 'wmt'"):
+        prepare.locate_dataset("wmt", tmp_path)
+    rc = prepare.main(["--source", "bogus=/x"])
+    assert rc == 1
+
+
+def test_builders_write_array_record_and_read_without_tensorflow(data_dir):
+    files = sorted(p.name for p in (data_dir / "ding_de_en" / "1.0.0").iterdir())
+    assert any(".array_record-" in f for f in files)
+    test = tfds.data_source("ding_de_en", split="test", data_dir=str(data_dir))
+    assert len(test) == 1000
+    ex = test[0]
+    assert set(ex) == {"de", "en"} and ex["en"].decode().startswith("This is sentence")
+    bible = tfds.data_source("bible_en_es", split="test", data_dir=str(data_dir))
+    assert sorted(bible[i]["osis_id"].decode() for i in range(len(bible))) == [
+        "Jude.1.1",
+        "Ruth.1.1",
+    ]
+    code = (
+        "import tensorflow_datasets as tfds, sys; "
+        f"s = tfds.data_source('ding_de_en', split='train', data_dir={str(data_dir)!r}); "
+        "s[0]; print('tensorflow' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("False")
+
+
+def test_load_text_pairs_direction_and_errors(data_dir):
+    en_de = pipeline.load_text_pairs("ding_de_en", "validation", "en", "de", data_dir)
+    de_en = pipeline.load_text_pairs("ding_de_en", "validation", "de", "en", data_dir)
+    assert en_de[0] == de_en[0][::-1]
+    with pytest.raises(ValueError, match="has no feature 'fr'"):
+        pipeline.load_text_pairs("ding_de_en", "validation", "en", "fr", data_dir)
+
+
+def test_tokenizer_ids_and_round_trip(tokenizer, tmp_path):
+    ids = tokenizer.encode("This is sentence number 7.")
+    assert ids[-1] == EOS_ID and ids.dtype == np.int32 and 0 not in ids
+    assert tokenizer.decode(ids) == "This is sentence number 7."
+    assert Tokenizer.load(tokenizer.path).vocab_size == 100
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a valid sentencepiece model"):
+        Tokenizer.load(bad)
+    with pytest.raises(ValueError, match="lower model.vocab_size"):
+        train_tokenizer(iter(["a b c"] * 10), tmp_path / "t.model", vocab_size=5000)
+
+
+def test_tokenize_drop_truncate_and_empty(tokenizer):
+    pairs = [
+        ("This is sentence number 1.", "Das ist Satz Nummer 1."),
+        ("This is " * 30, "Das ist"),
+        ("", "leer"),
+        ("   ", "x"),
+    ]
+    kept, stats = pipeline.tokenize_pairs(pairs, tokenizer, max_length=30, too_long="drop")
+    assert len(kept) == 1 and stats.dropped_too_long == 1 and stats.dropped_empty == 2
+    cut, stats = pipeline.tokenize_pairs(pairs, tokenizer, max_length=30, too_long="truncate")
+    assert len(cut) == 2 and stats.truncated == 1
+    assert len(cut[1]["inputs"]) == 30 and cut[1]["inputs"][-1] == EOS_ID
+    with pytest.raises(ValueError, match="data.too_long='cut'"):
+        pipeline.tokenize_pairs(pairs, tokenizer, 16, too_long="cut")
+
+
+def _examples(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "inputs": np.append(rng.integers(4, 50, rng.integers(1, 12)), EOS_ID).astype(np.int32),
+            "targets": np.append(rng.integers(4, 50, rng.integers(1, 12)), EOS_ID).astype(np.int32),
+        }
+        for _ in range(n)
+    ]
+
+
+def test_epoch_plan_uses_every_example_once_and_fits():
+    exs = _examples(200)
+    lengths = np.array([[len(e["inputs"]), len(e["targets"])] for e in exs])
+    plan = pipeline.plan_epoch(lengths, np.random.default_rng(0).permutation(200), 8, 24)
+    seen = sorted(i for batch in plan for row in batch for i in row)
+    assert seen == list(range(200))
+    for batch in plan:
+        assert len(batch) == 8
+        for row in batch:
+            assert lengths[row].sum(axis=0).max(initial=0) <= 24
+
+
+def test_packed_batch_layout():
+    exs = _examples(40)
+    it = pipeline.train_iterator(exs, batch_size=4, max_length=24, seed=1, prefetch=0)
+    b = next(it)
+    for key in ("inputs", "targets"):
+        seg, pos, tok = b[f"{key}_segment_ids"], b[f"{key}_positions"], b[key]
+        assert ((tok != 0) == (seg != 0)).all()
+        for row in range(4):
+            for s in set(seg[row]) - {0}:
+                idx = np.flatnonzero(seg[row] == s)
+                assert (pos[row, idx] == np.arange(len(idx))).all()
+                assert tok[row, idx[-1]] == EOS_ID
+
+
+def test_resume_replays_the_same_batches():
+    exs = _examples(50)
+    it = pipeline.train_iterator(exs, batch_size=4, max_length=24, seed=3)
+    for _ in range(7):  # crosses an epoch boundary
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(3)]
+    it.close()
+    again = pipeline.train_iterator(exs, batch_size=4, max_length=24, seed=3)
+    again.set_state(state)
+    for want in expected:
+        got = next(again)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    again.close()
+
+
+def test_epochs_reshuffle_and_processes_are_disjoint():
+    exs = _examples(64)
+    ds = pipeline.PackedTrainDataset(exs, batch_size=4, max_length=24, seed=0, pack=True)
+    assert ds.plan(0) != ds.plan(1)
+    shards = [
+        pipeline.train_iterator(
+            exs, batch_size=2, max_length=24, seed=0, prefetch=0, process_index=i, process_count=2
+        )
+        for i in range(2)
+    ]
+    ids = [{tuple(r) for r in next(s)["inputs"]} for s in shards]
+    assert not ids[0] & ids[1]
+    with pytest.raises(ValueError, match="cannot fill one batch"):
+        pipeline.train_iterator(exs[:3], batch_size=4, max_length=24, seed=0)
+
+
+def test_packed_loss_equals_padded_loss():
+    """The same examples packed several to a row or padded one per row: same loss sums."""
+    c = ModelConfig(
+        vocab_size=50,
+        d_model=32,
+        num_heads=4,
+        d_ff=64,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        max_len=32,
+    )
+    model = Transformer(c)
+    exs = _examples(12, seed=5)
+    packed = pipeline.PackedTrainDataset(exs, batch_size=3, max_length=32, seed=0, pack=True)
+    rows = packed.plan(0)[0]
+    members = [exs[i] for row in rows for i in row]
+    packed_batch = packed.materialize(rows)
+    padded_batch = pipeline.eval_batches(members, batch_size=len(members), max_length=32)[0]
+    params = model.init(
+        jax.random.key(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
+    )["params"]
+    a = eval_step(
+        params,
+        {k: jnp.asarray(v) for k, v in packed_batch.items()},
+        model=model,
+        label_smoothing=0.1,
+    )
+    b = eval_step(
+        params,
+        {k: jnp.asarray(v) for k, v in padded_batch.items()},
+        model=model,
+        label_smoothing=0.1,
+    )
+    assert float(a["tokens"]) == float(b["tokens"]) > 0
+    for key in ("loss_sum", "nll_sum", "correct"):
+        np.testing.assert_allclose(float(a[key]), float(b[key]), rtol=2e-5)
+    assert losses.summarize(a)["loss"] > 0
+
+
+def test_eval_batches_fill_the_last_batch():
+    batches = pipeline.eval_batches(_examples(10), batch_size=4, max_length=24)
+    assert len(batches) == 3 and batches[-1]["inputs"].shape == (4, 24)
+    assert (batches[-1]["inputs"][2:] == 0).all()
