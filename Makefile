@@ -10,7 +10,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Multi-device code is tested on 8 simulated CPU devices.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: setup test test-slow demo lint format clean
+.PHONY: setup prepare test test-slow demo bench lint format clean
 
 setup: $(STAMP)
 
@@ -33,8 +33,17 @@ test: setup
 test-slow: setup
 	$(TEST_ENV) $(BIN)/python -m pytest -q
 
-demo: setup
-	$(BIN)/python -m flaxformer_lite.demo
+# Fetch the corpora's Debian packages (apt-get download) unless already extracted.
+prepare: setup
+	$(BIN)/python -m flaxformer_lite.data.prepare
+
+# The main job: train the default config (ende_small) on the real corpus.
+DEMO_WORKDIR ?= runs/ende_small
+demo: prepare
+	$(BIN)/python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=$(DEMO_WORKDIR)
+
+bench: prepare
+	$(BIN)/python benchmarks/train_step.py
 
 lint: setup
 	$(BIN)/ruff check .

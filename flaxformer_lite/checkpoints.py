@@ -142,16 +142,22 @@ def restore_params(workdir: str | Path, target_params: Any, kind: str = "best") 
         )
     manager = _manager(Path(workdir) / _DIRS[kind], read_only=True)
     item = "params" if kind == "averaged" else "state"
+    target = {"params": _abstract(target_params)}
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    restore_args = jax.tree.map(
+        lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=device), target
+    )
     try:
-        metadata = manager.item_metadata(step)
-        target = {"params": _abstract(target_params)}
-        if item == "state":
-            # Restore only the parameters of a full train state.
-            tree = metadata["state"]
-            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
-            target["params"] = _abstract(target_params)
+        # Partial restore: only the parameters of a full train state are read.
         restored = manager.restore(
-            step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)})
+            step,
+            args=ocp.args.Composite(
+                **{
+                    item: ocp.args.PyTreeRestore(
+                        item=target, restore_args=restore_args, partial_restore=True
+                    )
+                }
+            ),
         )
     except ValueError as e:
         raise CheckpointError(

@@ -10,6 +10,7 @@ of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20).
 
 from __future__ import annotations
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -75,10 +76,13 @@ def run() -> None:
     except (AttributeError, KeyError) as e:
         if not _from_config_flags(e):
             raise
-        overrides = [a.split("=")[0] for a in sys.argv if a.startswith("--config.")]
+        text = str(e.args[0]) if e.args else str(e)
+        field = re.search(r"[A-Za-z_]\w*", text)
+        hint = re.search(r'Did you mean "([^"]+)"', text)
         _fail(
-            f"unknown config field {str(e).strip(chr(34))} in the overrides {overrides}; "
-            "see the config file (and flaxformer_lite/config.py) for the fields"
+            f"unknown config field {field.group(0) if field else text!r}"
+            + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
+            + "; see the config file (and flaxformer_lite/config.py) for the fields"
         )
 
 

@@ -119,6 +119,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     Returns the final validation metrics (loss, nll, perplexity, accuracy).
     """
     model_config = validate_experiment(config)  # before any data is read
+    wall_start = time.perf_counter()
     workdir = Path(workdir)
     _check_workdir(config, workdir)
     t, d = config.train, config.data
@@ -230,6 +231,12 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         logger.close()
     if not final:  # nothing left to train: report the checkpoint's validation metrics
         final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
+    minutes = (time.perf_counter() - wall_start) / 60
+    print(
+        f"done: step {t.num_steps} ({t.num_steps - start} this run) in {minutes:.1f} min; "
+        f"validation loss {final['loss']:.4f}, accuracy {final['accuracy']:.4f}, "
+        f"perplexity {final['perplexity']:.2f}; checkpoints in {workdir}"
+    )
     return final
 
 

@@ -1,0 +1,297 @@
+"""Training: schedules, loss, pmap == jit, resume, bad input, the CLI."""
+
+import functools
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.config import ConfigError, ModelConfig
+from flaxformer_lite.data import pipeline
+from flaxformer_lite.experiment import validate_experiment
+from flaxformer_lite.training import losses, schedules
+from flaxformer_lite.training.average import abstract_train_state, average_workdir
+from flaxformer_lite.training.parallel import DataParallel
+from flaxformer_lite.training.state import create_train_state, make_optimizer
+from flaxformer_lite.training.steps import train_step
+from flaxformer_lite.training.train import TrainingError, train_and_evaluate
+from tests import fixtures
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(name="ende_small", arg="debug"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+# Schedules and loss ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [0, 1, 99, 3999, 4000, 4001, 99_999])
+def test_noam_is_the_papers_formula(count):
+    step = count + 1  # the paper counts steps from 1
+    want = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+    got = float(schedules.noam(512, 4000)(count))
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_noam_peak_and_scale():
+    s = schedules.noam(512, 4000, scale=2.0)
+    values = [float(s(c)) for c in range(3990, 4010)]
+    assert max(values) == pytest.approx(2 * 512**-0.5 * 4000**-0.5, rel=1e-5)
+    assert int(np.argmax(values)) + 3990 + 1 == 4000
+
+
+def test_other_schedules():
+    cos = schedules.warmup_cosine(1e-3, 10, 100)
+    assert float(cos(0)) == 0.0 and float(cos(10)) == pytest.approx(1e-3)
+    assert float(cos(100)) == pytest.approx(0.0, abs=1e-9)
+    const = schedules.constant(5e-4, warmup_steps=4)
+    assert float(const(2)) == pytest.approx(2.5e-4) and float(const(50)) == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_matches_float64_reference(smoothing):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 11)) * 3
+    labels = rng.integers(0, 11, (2, 5))
+    got_s, got_nll = losses.token_losses(
+        jnp.asarray(logits, jnp.float32), jnp.asarray(labels), smoothing
+    )
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    q = np.full(logits.shape, smoothing / 10)
+    np.put_along_axis(q, labels[..., None], 1 - smoothing, axis=-1)
+    np.testing.assert_allclose(got_s, -(q * logp).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(
+        got_nll, -np.take_along_axis(logp, labels[..., None], -1)[..., 0], rtol=1e-5
+    )
+
+
+def test_loss_normalised_by_real_tokens():
+    logits = jnp.zeros((1, 4, 7))
+    labels = jnp.array([[3, 4, 0, 0]])
+    s = losses.sums(logits, labels, (labels != 0).astype(jnp.float32), 0.0)
+    m = losses.summarize(s)
+    assert float(m["tokens"]) == 2 and float(m["nll"]) == pytest.approx(np.log(7), rel=1e-6)
+    assert float(m["perplexity"]) == pytest.approx(7.0, rel=1e-5)
+
+
+# Parallelism -----------------------------------------------------------------------
+
+
+def _tiny_setup():
+    c = ModelConfig(
+        vocab_size=60,
+        d_model=32,
+        num_heads=4,
+        d_ff=64,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        max_len=32,
+        residual_dropout=0.0,
+        embedding_dropout=0.0,
+    )
+    config = load_config()
+    tx, schedule = make_optimizer(config.optimizer, c, 100)
+    model = Transformer(c)
+    state = create_train_state(model, tx, 0, 16)
+    exs = [
+        {
+            "inputs": np.array([5 + i % 40, 6, 7, 1], np.int32),
+            "targets": np.array([8, 9 + i % 30, 1], np.int32),
+        }
+        for i in range(64)
+    ]
+    it = pipeline.train_iterator(exs, batch_size=8, max_length=16, seed=0, prefetch=0)
+    batches = [next(it) for _ in range(3)]
+    step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1)
+    return state, batches, step
+
+
+def _run(kind, state, batches, step_fn):
+    par = DataParallel(kind)
+    fn = par.train_step(step_fn.func, **step_fn.keywords)
+    s = par.put_state(state)
+    out = []
+    for b in batches:
+        s, m = fn(s, par.put_batch(b))
+        out.append(par.metrics_to_host(m))
+    return out, par.params_of(s)
+
+
+def test_pmap_equals_jit_on_8_devices():
+    assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    state, batches, step = _tiny_setup()
+    jit_metrics, jit_params = _run("jit", state, batches, step)
+    state, _, _ = _tiny_setup()  # the jit run donated the first state's buffers
+    pmap_metrics, pmap_params = _run("pmap", state, batches, step)
+    for a, b in zip(jit_metrics, pmap_metrics, strict=True):
+        for key in ("loss", "nll", "accuracy", "tokens", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    # Key biases are skipped: their true gradient is exactly zero (a key bias adds the
+    # same q.b to every logit of a row, which softmax ignores), so both paths compute
+    # rounding noise of ~1e-9 that Adam with the paper's eps=1e-9 turns into full steps.
+    flat_pmap = dict(jax.tree_util.tree_flatten_with_path(pmap_params)[0])
+    compared = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(jit_params)[0]:
+        name = jax.tree_util.keystr(path)
+        if name.endswith("['key']['bias']"):
+            continue
+        # atol: float32 summation order differs (all-reduce vs psum), ~0.02% of one step.
+        np.testing.assert_allclose(x, flat_pmap[path], rtol=1e-4, atol=1e-5, err_msg=name)
+        compared += 1
+    assert compared > 20
+
+
+def test_batch_must_divide_among_devices():
+    with pytest.raises(ValueError, match="not divisible by the 8 devices"):
+        DataParallel("jit").check_batch_size(12)
+
+
+# End to end on fixture data ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fixture_data(tmp_path_factory):
+    raw = fixtures.write_raw_root(tmp_path_factory.mktemp("raw"), ding_sentences=1600)
+    data_dir = tmp_path_factory.mktemp("tfds")
+    from flaxformer_lite.data.builders import build_local_dataset
+
+    build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
+    return raw, data_dir
+
+
+def debug_config(data_dir, **train):
+    config = load_config()
+    config.model.vocab_size = 100  # the fixture corpus supports ~108 pieces
+    config.data.data_dir = str(data_dir)
+    for k, v in train.items():
+        config.train[k] = v
+    return config
+
+
+def _last_params(workdir, config):
+    target = abstract_train_state(config).params
+    params, step = ckpt_lib.restore_params(workdir, target, kind="last")
+    return params, step
+
+
+def test_resume_is_exact(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    straight = tmp_path / "straight"
+    train_and_evaluate(debug_config(data_dir, num_steps=6, checkpoint_every=3), straight)
+    split = tmp_path / "split"
+    train_and_evaluate(debug_config(data_dir, num_steps=3, checkpoint_every=3), split)
+    metrics = train_and_evaluate(debug_config(data_dir, num_steps=6, checkpoint_every=3), split)
+    assert {"loss", "nll", "perplexity", "accuracy"} <= set(metrics)
+    a, step_a = _last_params(straight, debug_config(data_dir))
+    b, step_b = _last_params(split, debug_config(data_dir))
+    assert step_a == step_b == 6
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    # Averaging the last two checkpoints (3 and 6).
+    average_workdir(split, 2)
+    avg, _ = ckpt_lib.restore_params(split, a, kind="averaged")
+    state3, _ = ckpt_lib.Checkpoints(split).restore(abstract_train_state(debug_config(data_dir)), 3)
+    mean = jax.tree.map(lambda x, y: (np.asarray(x) + np.asarray(y)) / 2, b, state3.params)
+    jax.tree.map(
+        lambda m, want: np.testing.assert_allclose(np.asarray(m), want, rtol=1e-6), avg, mean
+    )
+
+
+def test_other_models_workdir_is_refused(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    train_and_evaluate(debug_config(data_dir, num_steps=2), tmp_path)
+    other = debug_config(data_dir, num_steps=2)
+    other.model.d_ff = 128
+    with pytest.raises(TrainingError, match=r"different model \(model.d_ff: 64 -> 128\)"):
+        train_and_evaluate(other, tmp_path)
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=40, checkpoint_every=2, log_every=2, eval_every=40)
+    config.optimizer.schedule = "constant"
+    config.optimizer.warmup_steps = 0
+    config.optimizer.clip_grad_norm = 0.0
+    config.optimizer.learning_rate = 1e30
+    with pytest.raises(TrainingError, match=r"the loss is (nan|inf) .* at step \d+") as e:
+        train_and_evaluate(config, tmp_path)
+    assert "last good checkpoint is" in str(e.value)
+
+
+def test_unwritable_workdir(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TrainingError, match="cannot write to --workdir"):
+        train_and_evaluate(debug_config(data_dir), blocker / "run")
+
+
+def test_config_errors_come_before_data(tmp_path):
+    config = load_config()
+    config.data.data_dir = str(tmp_path / "does-not-exist")
+    config.train.parallelism = "spmd"
+    with pytest.raises(ConfigError, match="parallelism='spmd'; choose one of jit, pmap"):
+        train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    config = load_config()
+    config.data.max_length = 1024
+    with pytest.raises(ConfigError, match="exceeds model.max_len"):
+        validate_experiment(config)
+    bad = ml_collections.ConfigDict(load_config().to_dict())
+    bad.train.extra = 1
+    with pytest.raises(ConfigError, match=r"unknown fields \['extra'\]"):
+        validate_experiment(bad)
+
+
+@pytest.mark.parametrize("name", ["ende_small", "bible_small", "paper_base", "paper_big"])
+def test_every_config_file_validates(name):
+    for arg in (None, "debug"):
+        validate_experiment(load_config(name, arg))
+    with pytest.raises(ConfigError, match="unknown config variant 'huge'"):
+        load_config(name, "huge")
+
+
+def test_cli_debug_run(fixture_data, tmp_path):
+    raw, data_dir = fixture_data
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    cmd = [
+        sys.executable,
+        "-m",
+        "flaxformer_lite.main",
+        "--config=configs/ende_small.py:debug",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.data.data_dir={data_dir}",
+        "--config.model.vocab_size=100",
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "validation @ 6: loss" in out.stdout and "perplexity" in out.stdout
+    run = tmp_path / "run"
+    assert (run / "metrics.jsonl").exists() and (run / "tokenizer.model").exists()
+    assert any((run / "tensorboard").iterdir())
+    bad = subprocess.run(
+        cmd + ["--config.model.d_modle=3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (
+        bad.returncode == 1
+        and "unknown config field 'd_modle' (did you mean 'd_model'?)" in bad.stderr
+    )
+    assert "Traceback" not in bad.stderr
