@@ -41,9 +41,11 @@ prepare: setup
 DEMO_WORKDIR ?= runs/ende_small
 demo: prepare
 	$(BIN)/python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=$(DEMO_WORKDIR)
+	$(BIN)/python -m flaxformer_lite.main evaluate --workdir=$(DEMO_WORKDIR) --split=test
 
 bench: prepare
 	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python benchmarks/decode.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -22,6 +22,7 @@ from flaxformer_lite.config import ConfigError, ModelConfig, model_config_dict, 
 EXPERIMENT_SECTIONS = {
     "model": None,  # validated by ModelConfig
     "data": {
+        "task": str,  # translation (encoder-decoder) | lm (decoder-only, on target_lang)
         "dataset": str,  # local builder name (ding_de_en, bible_en_es) or any TFDS name
         "source_lang": str,  # feature read as the source sentence
         "target_lang": str,  # feature read as the target sentence
@@ -46,6 +47,7 @@ EXPERIMENT_SECTIONS = {
         "keep_checkpoints": int,
         "best_metric": str,  # validation metric that selects the best checkpoint
         "eval_batches": int,  # 0 = the whole validation split
+        "eval_bleu_sentences": int,  # greedy BLEU on this many validation sentences; 0 = off
     },
     "optimizer": {
         "b1": float,
@@ -60,6 +62,7 @@ EXPERIMENT_SECTIONS = {
     },
 }
 PARALLELISM = ("jit", "pmap")
+TASKS = ("translation", "lm")
 BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max"}
 
 
@@ -115,7 +118,9 @@ def validate_experiment(config) -> ModelConfig:
     positive("optimizer", "grad_accum_steps", o.grad_accum_steps)
     if d.too_long not in ("drop", "truncate"):
         raise ConfigError(f"config.data.too_long={d.too_long!r}; choose drop or truncate")
-    if d.source_lang == d.target_lang:
+    if d.task not in TASKS:
+        raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
+    if d.task == "translation" and d.source_lang == d.target_lang:
         raise ConfigError(f"config.data.source_lang and target_lang are both {d.source_lang!r}")
     if d.max_length > model.max_len:
         raise ConfigError(
@@ -132,6 +137,8 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(
             f"config.train.best_metric={t.best_metric!r}; choose one of {', '.join(BEST_METRICS)}"
         )
+    if t.eval_bleu_sentences < 0:
+        raise ConfigError(f"config.train.eval_bleu_sentences={t.eval_bleu_sentences} must be >= 0")
     if t.eval_batches < 0:
         raise ConfigError(f"config.train.eval_batches={t.eval_batches} must be >= 0 (0 = all)")
     for name in ("b1", "b2"):
@@ -157,6 +164,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
     config.model = model_config_dict(model)
     config.data = ml_collections.ConfigDict(
         {
+            "task": "translation",
             "dataset": "ding_de_en",
             "source_lang": "en",  # EN->DE, the paper's direction
             "target_lang": "de",
@@ -183,6 +191,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "keep_checkpoints": 5,
             "best_metric": "loss",
             "eval_batches": 0,
+            "eval_bleu_sentences": 0,
         }
     )
     config.optimizer = ml_collections.ConfigDict(
@@ -234,6 +243,7 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None) -> ml_col
                 eval_every=3,
                 checkpoint_every=3,
                 eval_batches=2,
+                eval_bleu_sentences=min(config.train.eval_bleu_sentences, 8),
             )
             config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, 4)
     return config

@@ -3,9 +3,13 @@
   python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=runs/x \\
       [--config.model.num_heads=4 ...]
   python -m flaxformer_lite.main average --workdir=runs/x --num=5
+  python -m flaxformer_lite.main translate --workdir=runs/x "Where is the station?"
+  python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
 
 ``train`` (the default command) trains or resumes; ``average`` writes the mean
-of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20).
+of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
+``translate`` translates its arguments, ``--input`` or standard input;
+``evaluate`` translates a split and reports BLEU and chrF with signatures.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, logs, tokenizer.")
 _NUM = flags.DEFINE_integer("num", 5, "average: how many of the last checkpoints.")
+_BEAM = flags.DEFINE_integer("beam_size", 4, "translate/evaluate: beam size (1 = greedy).")
+_ALPHA = flags.DEFINE_float("alpha", 0.6, "translate/evaluate: length penalty exponent.")
+_INPUT = flags.DEFINE_string("input", None, "translate: a file of sentences, one per line.")
+_SPLIT = flags.DEFINE_string("split", "test", "evaluate: the dataset split to translate.")
+_LIMIT = flags.DEFINE_integer("limit", 0, "evaluate: only the first N sentences (0 = all).")
 
-COMMANDS = ("train", "average")
+COMMANDS = ("train", "average", "translate", "evaluate")
 
 
 def _fail(message: str) -> None:
@@ -40,9 +49,9 @@ def main(argv: list[str]) -> None:
     from flaxformer_lite.training.train import TrainingError
 
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
-        logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines drown the progress bar
+        logging.set_verbosity(logging.ERROR)  # orbax/absl INFO and WARNING lines are noise here
     command = argv[1] if len(argv) > 1 else "train"
-    if command not in COMMANDS or len(argv) > 2:
+    if command not in COMMANDS or (len(argv) > 2 and command != "translate"):
         _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
     if not _WORKDIR.value:
         _fail("--workdir is required (the run's folder)")
@@ -57,7 +66,28 @@ def main(argv: list[str]) -> None:
             from flaxformer_lite.training.average import average_workdir
 
             average_workdir(_WORKDIR.value, _NUM.value)
-    except (ConfigError, TrainingError, CheckpointError, PrepareError, FileNotFoundError) as e:
+        elif command == "translate":
+            from flaxformer_lite import translate
+
+            translate.main(_WORKDIR.value, argv[2:], _BEAM.value, _ALPHA.value, _INPUT.value)
+        elif command == "evaluate":
+            from flaxformer_lite.evaluation import evaluate_workdir
+
+            evaluate_workdir(
+                _WORKDIR.value,
+                _SPLIT.value,
+                beam_size=_BEAM.value,
+                alpha=_ALPHA.value,
+                limit=_LIMIT.value,
+            )
+    except (
+        ConfigError,
+        TrainingError,
+        CheckpointError,
+        PrepareError,
+        FileNotFoundError,
+        ValueError,
+    ) as e:
         _fail(str(e))
 
 

@@ -230,3 +230,13 @@ def test_eval_batches_fill_the_last_batch():
     batches = pipeline.eval_batches(_examples(10), batch_size=4, max_length=24)
     assert len(batches) == 3 and batches[-1]["inputs"].shape == (4, 24)
     assert (batches[-1]["inputs"][2:] == 0).all()
+
+
+def test_single_feature_packing_for_language_models(tokenizer):
+    texts = [("This is sentence number 1.",), ("This is sentence number 22.",), ("",)]
+    exs, stats = pipeline.tokenize_pairs(texts, tokenizer, max_length=64)
+    assert stats.dropped_empty == 1 and set(exs[0]) == {"targets"}
+    ds = pipeline.PackedTrainDataset(exs * 4, batch_size=2, max_length=64, seed=0, pack=True)
+    batch = ds.materialize(ds.plan(0)[0])
+    assert set(batch) == {"targets", "targets_segment_ids", "targets_positions"}
+    assert batch["targets_segment_ids"].max() >= 2  # several texts share a row

@@ -256,7 +256,9 @@ def test_config_errors_come_before_data(tmp_path):
         validate_experiment(bad)
 
 
-@pytest.mark.parametrize("name", ["ende_small", "bible_small", "paper_base", "paper_big"])
+@pytest.mark.parametrize(
+    "name", ["ende_small", "bible_small", "lm_small", "paper_base", "paper_big"]
+)
 def test_every_config_file_validates(name):
     for arg in (None, "debug"):
         validate_experiment(load_config(name, arg))
@@ -295,3 +297,20 @@ def test_cli_debug_run(fixture_data, tmp_path):
         and "unknown config field 'd_modle' (did you mean 'd_model'?)" in bad.stderr
     )
     assert "Traceback" not in bad.stderr
+
+
+def test_language_model_training(fixture_data, tmp_path):
+    """The decoder-only LM trains through the same loop on one text feature."""
+    _, data_dir = fixture_data
+    config = load_config("lm_small", "debug")
+    config.model.vocab_size = 80  # English alone supports ~93 pieces
+    config.data.dataset = "ding_de_en"  # the fixture Bible is too small for a tokenizer
+    config.data.data_dir = str(data_dir)
+    metrics = train_and_evaluate(config, tmp_path)
+    assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
+    params, step = ckpt_lib.restore_params(tmp_path, abstract_train_state(config).params, "last")
+    assert step == 6 and "encoder" not in params
+    assert not any(
+        "cross_attention" in jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )

@@ -8,9 +8,8 @@ import jax
 import ml_collections
 
 from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.experiment import validate_experiment
-from flaxformer_lite.training.state import create_train_state, make_optimizer
+from flaxformer_lite.training.state import build_model, create_train_state, make_optimizer
 
 
 def load_run_config(workdir: str | Path) -> ml_collections.ConfigDict:
@@ -24,7 +23,7 @@ def abstract_train_state(config):
     """Shapes/dtypes of the run's TrainState, without allocating it."""
     model_config = validate_experiment(config)
     tx, _ = make_optimizer(config.optimizer, model_config, config.train.num_steps)
-    model = Transformer(model_config)
+    model = build_model(model_config, config.data.task)
     return jax.eval_shape(
         lambda: create_train_state(model, tx, config.train.seed, config.data.max_length)
     )

@@ -41,8 +41,21 @@ def forward_flops(c: ModelConfig, batch: int, source_len: int, target_len: int) 
     return float(total)
 
 
-def train_step_flops(c: ModelConfig, batch: int, source_len: int, target_len: int) -> float:
+def lm_forward_flops(c: ModelConfig, batch: int, length: int) -> float:
+    """Decoder-only LM: per token and layer, projections + causal attention + FFN."""
+    d, f, h = c.d_model, c.d_ff, c.num_heads
+    qk, v = c.head_dim_qk, c.head_dim_v
+    per_token = 2 * d * h * (2 * qk + v) + 2 * h * v * d + 2 * length * h * (qk + v) + 4 * d * f
+    tokens = batch * length
+    return float(c.num_decoder_layers * tokens * per_token + tokens * 2 * d * c.vocab_size)
+
+
+def train_step_flops(
+    c: ModelConfig, batch: int, source_len: int, target_len: int, task: str = "translation"
+) -> float:
     """Forward + backward (= 3 x forward)."""
+    if task == "lm":
+        return 3.0 * lm_forward_flops(c, batch, target_len)
     return 3.0 * forward_flops(c, batch, source_len, target_len)
 
 

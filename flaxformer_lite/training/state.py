@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flaxformer_lite.architectures.lm import LanguageModel
+from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.config import ModelConfig
 from flaxformer_lite.training.schedules import make_schedule
 
@@ -26,6 +28,11 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32 key data
+
+
+def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Module:
+    """The encoder-decoder for ``translation``, the decoder-only LM for ``lm``."""
+    return LanguageModel(model_config) if task == "lm" else Transformer(model_config)
 
 
 def make_optimizer(opt, model: ModelConfig, total_steps: int):
@@ -56,7 +63,8 @@ def create_train_state(
     """Initialise parameters (from ``seed``) and optimizer state."""
     init_rng, dropout_rng = jax.random.split(jax.random.key(seed))
     dummy = jnp.ones((1, length), jnp.int32)
-    params = jax.jit(lambda r: model.init(r, dummy, dummy)["params"])(init_rng)
+    args = (dummy,) if isinstance(model, LanguageModel) else (dummy, dummy)
+    params = jax.jit(lambda r: model.init(r, *args)["params"])(init_rng)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,

@@ -1,5 +1,9 @@
 """Pure train and eval steps (no side effects; jit or pmap them in parallel.py).
 
+A batch is a dict of ``inputs``/``targets`` (+ packing ``*_segment_ids``,
+``*_positions``) for the encoder-decoder, or ``targets`` alone for the
+decoder-only LM (which predicts each token from the ones before it).
+
 With ``axis_name`` (pmap), per-device sums are added across devices before
 normalising, so the loss is the mean over all non-padding tokens of the
 global batch, exactly as the jit path computes it.
@@ -13,11 +17,22 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from flaxformer_lite.architectures.lm import LanguageModel
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.state import TrainState
 
 
 def _forward(model: nn.Module, params, batch, *, deterministic: bool, rng=None):
+    rngs = None if rng is None else {"dropout": rng}
+    if isinstance(model, LanguageModel):
+        return model.apply(
+            {"params": params},
+            batch["targets"],
+            positions=batch.get("targets_positions"),
+            segmentation=batch.get("targets_segment_ids"),
+            deterministic=deterministic,
+            rngs=rngs,
+        )
     return model.apply(
         {"params": params},
         batch["inputs"],
@@ -27,7 +42,7 @@ def _forward(model: nn.Module, params, batch, *, deterministic: bool, rng=None):
         inputs_segmentation=batch.get("inputs_segment_ids"),
         targets_segmentation=batch.get("targets_segment_ids"),
         deterministic=deterministic,
-        rngs=None if rng is None else {"dropout": rng},
+        rngs=rngs,
     )
 
 

@@ -18,20 +18,22 @@ import jax
 import numpy as np
 
 from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.data import pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
+from flaxformer_lite.evaluation import corpus_scores
 from flaxformer_lite.experiment import BEST_METRICS, validate_experiment
 from flaxformer_lite.training import flops, losses
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import DataParallel
 from flaxformer_lite.training.state import (
     TrainState,
+    build_model,
     create_train_state,
     make_optimizer,
     parameter_count,
 )
 from flaxformer_lite.training.steps import eval_step, train_step
+from flaxformer_lite.translate import Translator
 
 
 class TrainingError(RuntimeError):
@@ -44,26 +46,24 @@ class TranslationData:
     train: list[dict[str, np.ndarray]]
     validation: list[dict[str, np.ndarray]]
     stats: dict[str, pipeline.PipelineStats]
+    validation_texts: list[tuple[str, ...]]  # for BLEU during training
 
 
 def prepare_data(config, workdir: Path) -> TranslationData:
     """Text splits -> the workdir's tokenizer (trained on train splits once) -> token ids."""
     d = config.data
-    train_pairs: list[tuple[str, str]] = []
+    # Translation reads (source, target) pairs; a language model reads the target text.
+    features = (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
+    train_pairs: list[tuple[str, ...]] = []
     for split in filter(None, (s.strip() for s in d.train_splits.split(","))):
-        train_pairs += pipeline.load_text_pairs(
-            d.dataset, split, d.source_lang, d.target_lang, d.data_dir
-        )
-    eval_pairs = pipeline.load_text_pairs(
-        d.dataset, d.eval_split, d.source_lang, d.target_lang, d.data_dir
-    )
+        train_pairs += pipeline.load_texts(d.dataset, split, features, d.data_dir)
+    eval_pairs = pipeline.load_texts(d.dataset, d.eval_split, features, d.data_dir)
 
     def sentences():
         rng = np.random.default_rng(0)
-        order = rng.permutation(len(train_pairs))[: d.tokenizer_max_sentences // 2]
+        order = rng.permutation(len(train_pairs))[: d.tokenizer_max_sentences // len(features)]
         for i in order:
-            yield train_pairs[i][0]
-            yield train_pairs[i][1]
+            yield from train_pairs[i]
 
     tokenizer = load_or_train(workdir, sentences, config.model.vocab_size)
     train, train_stats = pipeline.tokenize_pairs(train_pairs, tokenizer, d.max_length, d.too_long)
@@ -71,7 +71,7 @@ def prepare_data(config, workdir: Path) -> TranslationData:
         eval_pairs, tokenizer, d.max_length, "truncate"
     )
     return TranslationData(
-        tokenizer, train, validation, {"train": train_stats, "validation": eval_stats}
+        tokenizer, train, validation, {"train": train_stats, "validation": eval_stats}, eval_pairs
     )
 
 
@@ -144,7 +144,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         f"{len(data.validation)} validation pairs"
     )
 
-    model = Transformer(model_config)
+    model = build_model(model_config, d.task)
     tx, schedule = make_optimizer(config.optimizer, model_config, t.num_steps)
     state = create_train_state(model, tx, t.seed, d.max_length)
     print(
@@ -187,7 +187,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     )
     if t.eval_batches:
         eval_batches = eval_batches[: t.eval_batches]
-    step_flops = flops.train_step_flops(model_config, t.batch_size, d.max_length, d.max_length)
+    step_flops = flops.train_step_flops(
+        model_config, t.batch_size, d.max_length, d.max_length, d.task
+    )
     logger = MetricsLogger(workdir, t.num_steps, enabled=is_chief)
     state = par.put_state(state)
     final: dict[str, float] = {}
@@ -212,10 +214,18 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
                 window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
             if step % t.eval_every == 0 or last:
                 final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
+                bleu = _validation_bleu(config, model, par.params_of(state), data)
+                if bleu is not None:
+                    final["bleu"] = bleu
                 logger.write(step, final, prefix="validation")
                 logger.message(
                     f"validation @ {step}: loss {final['loss']:.4f}, nll {final['nll']:.4f}, "
                     f"perplexity {final['perplexity']:.2f}, accuracy {final['accuracy']:.4f}"
+                    + (
+                        f", greedy BLEU {bleu:.2f} ({config.train.eval_bleu_sentences} sentences)"
+                        if bleu is not None
+                        else ""
+                    )
                 )
                 checkpoints.save_best(step, par.unreplicate(state), final[t.best_metric])
             if step % t.checkpoint_every == 0 or last:
@@ -238,6 +248,17 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         f"perplexity {final['perplexity']:.2f}; checkpoints in {workdir}"
     )
     return final
+
+
+def _validation_bleu(config, model, params, data: TranslationData) -> float | None:
+    """Greedy BLEU on the first ``train.eval_bleu_sentences`` validation sentences."""
+    n = config.train.eval_bleu_sentences
+    if not n or config.data.task != "translation":
+        return None
+    translator = Translator(model, params, data.tokenizer, batch_size=config.train.batch_size)
+    pairs = data.validation_texts[:n]
+    hypotheses = translator.translate([p[0] for p in pairs], beam_size=1)
+    return corpus_scores(hypotheses, [p[1] for p in pairs]).bleu
 
 
 def _check_finite(m: dict[str, float], step: int, checkpoints, window: int) -> None:

@@ -1,0 +1,317 @@
+"""Autoregressive decoding with the KV cache: greedy, sampling, beam search.
+
+Legend: b batch, k beams, s source length, t decoded length, v vocabulary.
+
+Every search is one jitted program: the encoder runs once, the first step
+stores each layer's cross-attention keys/values in the cache, and a
+``lax.while_loop`` feeds one token per step through the cached decoder until
+every sentence has produced EOS (or ``max_length`` is reached). Outputs are
+``[b, t]`` token ids (``[b, k, t]`` for beams): EOS then padding after a
+sentence ends.
+
+Works for the encoder-decoder (``Transformer``) and the decoder-only
+``LanguageModel`` (``inputs=None``); ``prefix`` forces the first tokens of each
+row (a prompt), with 0 = no forced token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+from flaxformer_lite.architectures.lm import LanguageModel
+from flaxformer_lite.architectures.transformer import Transformer
+
+NEG_INF = -1.0e9
+
+
+class _Stepper:
+    """One decoding step of either architecture over a shared cache protocol."""
+
+    def __init__(self, model: nn.Module, params, inputs: Array | None):
+        self.model, self.params, self.inputs = model, params, inputs
+        self.is_lm = isinstance(model, LanguageModel)
+        if not self.is_lm and inputs is None:
+            raise ValueError("the encoder-decoder needs source inputs")
+
+    def init_cache(self, batch: int, max_length: int):
+        dummy = jnp.ones((batch, max_length), jnp.int32)
+        args = (dummy,) if self.is_lm else (self.inputs, dummy)
+        shapes = jax.eval_shape(
+            lambda: self.model.init(jax.random.key(0), *args, decode=True)["cache"]
+        )
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def encode(self):
+        if self.is_lm:
+            return None
+        return self.model.apply({"params": self.params}, self.inputs, method=Transformer.encode)
+
+    def __call__(self, cache, tokens: Array, encoded: Array | None) -> tuple[Array, dict]:
+        """Logits ``[b, v]`` for the next token after ``tokens [b, 1]``; the new cache."""
+        variables = {"params": self.params, "cache": cache}
+        if self.is_lm:
+            logits, mutated = self.model.apply(variables, tokens, decode=True, mutable=["cache"])
+        else:
+            logits, mutated = self.model.apply(
+                variables,
+                encoded,
+                self.inputs,
+                tokens,
+                decode=True,
+                mutable=["cache"],
+                method=Transformer.decode,
+            )
+        return logits[:, -1].astype(jnp.float32), mutated["cache"]
+
+
+def _repeat(x: Array | None, k: int) -> Array | None:
+    """``[b, ...]`` -> ``[b * k, ...]`` (each row k times, adjacent)."""
+    return None if x is None else jnp.repeat(x, k, axis=0)
+
+
+# Greedy and sampling -----------------------------------------------------------------
+
+
+def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
+    """Keep the ``top_k`` largest logits and/or the smallest set with probability >= top_p."""
+    if top_k > 0:
+        kth = lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, NEG_INF, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        drop_sorted = before >= top_p
+        drop = (
+            jnp.zeros_like(drop_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(drop_sorted)
+        )
+        logits = jnp.where(drop, NEG_INF, logits)
+    return logits
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model",
+        "max_length",
+        "eos_id",
+        "bos_id",
+        "temperature",
+        "top_k",
+        "top_p",
+        "batch_size",
+    ),
+)
+def sample(
+    model: nn.Module,
+    params,
+    inputs: Array | None,
+    *,
+    max_length: int,
+    eos_id: int,
+    bos_id: int,
+    rng: Array | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    prefix: Array | None = None,
+    batch_size: int | None = None,
+) -> Array:
+    """Greedy (``temperature=0``) or sampled decoding; returns ``[b, max_length]`` ids."""
+    stepper = _Stepper(model, params, inputs)
+    b = (
+        inputs.shape[0]
+        if inputs is not None
+        else (prefix.shape[0] if prefix is not None else batch_size)
+    )
+    encoded = stepper.encode()
+    cache = stepper.init_cache(b, max_length)
+    rng = jax.random.key(0) if rng is None else rng
+    if prefix is not None:  # 0 = not forced; indexing past its end would clamp, so pad it
+        prefix = jnp.pad(
+            prefix[:, :max_length], ((0, 0), (0, max(max_length - prefix.shape[1], 0)))
+        )
+
+    def choose(logits, i):
+        if temperature == 0.0:
+            token = jnp.argmax(logits, axis=-1)
+        else:
+            scaled = filter_logits(logits / temperature, top_k, top_p)
+            token = jax.random.categorical(jax.random.fold_in(rng, i), scaled, axis=-1)
+        if prefix is not None:
+            forced = prefix[:, i]
+            token = jnp.where(forced > 0, forced, token)
+        return token.astype(jnp.int32)
+
+    logits, cache = stepper(cache, jnp.full((b, 1), bos_id, jnp.int32), encoded)
+    first = choose(logits, 0)
+    out = jnp.zeros((b, max_length), jnp.int32).at[:, 0].set(first)
+    done = first == eos_id
+
+    def cond(carry):
+        i, _, _, done, _ = carry
+        return (i < max_length) & ~jnp.all(done)
+
+    def body(carry):
+        i, out, cache, done, last = carry
+        logits, cache = stepper(cache, last[:, None], None)
+        token = jnp.where(done, 0, choose(logits, i))
+        out = lax.dynamic_update_slice(out, token[:, None], (0, i))
+        return i + 1, out, cache, done | (token == eos_id), token
+
+    _, out, _, _, _ = lax.while_loop(cond, body, (jnp.int32(1), out, cache, done, first))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_length", "eos_id", "bos_id"))
+def greedy_uncached(
+    model: nn.Module, params, inputs: Array, *, max_length: int, eos_id: int, bos_id: int
+) -> Array:
+    """Greedy decoding that reruns the whole decoder on the prefix every step (reference)."""
+    encoded = model.apply({"params": params}, inputs, method=Transformer.encode)
+    b = inputs.shape[0]
+
+    def body(i, carry):
+        out, done = carry
+        # The label at position i must not be padding (it would mask the query);
+        # causality makes its value irrelevant to the logits at i.
+        labels = out.at[:, i].set(eos_id)
+        logits = model.apply(
+            {"params": params}, encoded, inputs, labels, method=Transformer.decode
+        )[:, i]
+        token = jnp.where(done, 0, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return out.at[:, i].set(token), done | (token == eos_id)
+
+    out, _ = lax.fori_loop(
+        0, max_length, body, (jnp.zeros((b, max_length), jnp.int32), jnp.zeros((b,), bool))
+    )
+    del bos_id  # the model shifts the labels right behind its own BOS
+    return out
+
+
+# Beam search ------------------------------------------------------------------------
+
+
+def length_penalty(length: Array, alpha: float) -> Array:
+    """((5 + length) / 6) ** alpha (Wu et al. 2016; the paper uses alpha = 0.6)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _gather_beams(tree, beam_index: Array, batch: int, beams: int):
+    """Reorder every ``[b*k, ...]`` self-attention cache leaf by ``beam_index [b, k]``."""
+
+    def gather(path, x):
+        name = jax.tree_util.keystr(path)
+        if x.ndim == 0 or "cross_" in name:  # counters; cross K/V are equal across beams
+            return x
+        x = x.reshape(batch, beams, *x.shape[1:])
+        idx = beam_index.reshape(batch, beams, *([1] * (x.ndim - 2)))
+        return jnp.take_along_axis(x, idx, axis=1).reshape(batch * beams, *x.shape[2:])
+
+    return jax.tree_util.tree_map_with_path(gather, tree)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("model", "max_length", "eos_id", "bos_id", "beam_size", "alpha")
+)
+def beam_search(
+    model: nn.Module,
+    params,
+    inputs: Array,
+    *,
+    beam_size: int,
+    alpha: float,
+    max_length: int,
+    eos_id: int,
+    bos_id: int,
+) -> tuple[Array, Array]:
+    """Beam search with length penalty; returns (``[b, k, t]`` ids, ``[b, k]`` scores).
+
+    Hypotheses are sorted by penalised score log p / ((5+len)/6)^alpha, best first.
+    Finished hypotheses (ended by EOS) are kept apart from the live ones; the
+    search stops once no live beam can beat the best finished one (with
+    alpha >= 0 a live beam's score can only fall below logp / lp(max_length)).
+    At ``max_length``, rows without enough finished hypotheses take live ones.
+    """
+    b, k, v = inputs.shape[0], beam_size, model.config.vocab_size
+    stepper = _Stepper(model, params, _repeat(inputs, k))
+    encoded = stepper.encode()
+    cache = stepper.init_cache(b * k, max_length)
+
+    live_seqs = jnp.zeros((b, k, max_length), jnp.int32)
+    # Only beam 0 is alive at the start, so the first step does not pick k copies.
+    live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1)), (b, 1))
+    fin_seqs = jnp.zeros((b, k, max_length), jnp.int32)
+    fin_scores = jnp.full((b, k), NEG_INF)
+    max_lp = length_penalty(jnp.float32(max_length), alpha)
+
+    def step(i, live_seqs, live_logp, fin_seqs, fin_scores, cache, encoded):
+        last = jnp.where(
+            i == 0, bos_id, lax.dynamic_index_in_dim(live_seqs, jnp.maximum(i - 1, 0), 2, False)
+        )
+        logits, cache = stepper(cache, last.reshape(b * k, 1), encoded)
+        logp = jax.nn.log_softmax(logits).reshape(b, k, v)
+        cand = (live_logp[..., None] + logp).reshape(b, k * v)
+        top_logp, top_idx = lax.top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
+        beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
+        seqs = jnp.take_along_axis(live_seqs, beam[..., None], axis=1)
+        seqs = lax.dynamic_update_slice(seqs, token[..., None], (0, 0, i))
+        is_eos = token == eos_id
+        # New live beams: the k best candidates that did not end.
+        live_cand = jnp.where(is_eos, NEG_INF, top_logp)
+        new_logp, pick = lax.top_k(live_cand, k)
+        new_live = jnp.take_along_axis(seqs, pick[..., None], axis=1)
+        cache = _gather_beams(cache, jnp.take_along_axis(beam, pick, axis=1), b, k)
+        # New finished: merge the candidates that ended here with the old finished.
+        penalised = top_logp / length_penalty(jnp.asarray(i + 1, jnp.float32), alpha)
+        ended = jnp.where(is_eos & (top_logp > NEG_INF / 2), penalised, NEG_INF)
+        all_scores = jnp.concatenate([fin_scores, ended], axis=1)
+        all_seqs = jnp.concatenate([fin_seqs, seqs], axis=1)
+        fin_scores, keep = lax.top_k(all_scores, k)
+        fin_seqs = jnp.take_along_axis(all_seqs, keep[..., None], axis=1)
+        return new_live, new_logp, fin_seqs, fin_scores, cache
+
+    carry = step(0, live_seqs, live_logp, fin_seqs, fin_scores, cache, encoded)
+
+    def cond(c):
+        i, live_seqs, live_logp, fin_seqs, fin_scores, cache = c
+        best_possible = live_logp[:, 0] / max_lp
+        undecided = fin_scores[:, 0] < best_possible
+        return (i < max_length) & jnp.any(undecided)
+
+    def body(c):
+        i, *state = c
+        return (i + 1, *step(i, *state, None))
+
+    i, live_seqs, live_logp, fin_seqs, fin_scores, _ = lax.while_loop(
+        cond, body, (jnp.int32(1), *carry)
+    )
+    # Rows short of finished hypotheses: fill with live beams scored at the length reached.
+    live_scores = live_logp / length_penalty(i.astype(jnp.float32), alpha)
+    all_scores = jnp.concatenate(
+        [fin_scores, jnp.where(live_logp > NEG_INF / 2, live_scores, NEG_INF)], axis=1
+    )
+    all_seqs = jnp.concatenate([fin_seqs, live_seqs], axis=1)
+    scores, keep = lax.top_k(all_scores, k)
+    return jnp.take_along_axis(all_seqs, keep[..., None], axis=1), scores
+
+
+def strip(ids, eos_id: int) -> list[list[int]]:
+    """Token lists up to (not including) the first EOS or padding."""
+    out = []
+    for row in jax.device_get(ids).tolist():
+        seq = []
+        for t in row:
+            if t in (eos_id, 0):
+                break
+            seq.append(t)
+        out.append(seq)
+    return out

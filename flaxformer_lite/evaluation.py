@@ -1,0 +1,114 @@
+"""Translation quality as the field reports it: corpus BLEU and chrF with sacrebleu.
+
+Scores come with sacrebleu's signature (tokenizer, smoothing, version), so a
+number can be compared with another only when the signatures match. BLEU is
+sacrebleu's default (13a tokenization, mixed case, exponential smoothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import sacrebleu
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    bleu: float
+    chrf: float
+    bleu_signature: str
+    chrf_signature: str
+    num_sentences: int
+
+    def line(self) -> str:
+        return (
+            f"BLEU {self.bleu:.2f} ({self.bleu_signature}); chrF {self.chrf:.2f} "
+            f"({self.chrf_signature}); {self.num_sentences} sentences"
+        )
+
+
+def corpus_scores(hypotheses: Sequence[str], references: Sequence[str]) -> Scores:
+    """Corpus BLEU and chrF of ``hypotheses`` against one reference each."""
+    if len(hypotheses) != len(references):
+        raise ValueError(
+            f"{len(hypotheses)} hypotheses but {len(references)} references; they must pair up"
+        )
+    if not hypotheses:
+        raise ValueError("no sentences to score")
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    refs = [list(references)]
+    return Scores(
+        bleu=bleu.corpus_score(list(hypotheses), refs).score,
+        chrf=chrf.corpus_score(list(hypotheses), refs).score,
+        bleu_signature=str(bleu.get_signature()),
+        chrf_signature=str(chrf.get_signature()),
+        num_sentences=len(hypotheses),
+    )
+
+
+def perplexity(nll: float) -> float:
+    """exp of a mean per-token negative log-likelihood (nats)."""
+    return math.exp(nll)
+
+
+def evaluate_workdir(
+    workdir,
+    split: str = "test",
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    num_examples: int = 5,
+    limit: int = 0,
+) -> Scores:
+    """Translate a split of the run's dataset, score it, write the translations.
+
+    Writes ``<workdir>/<split>_translations.tsv`` (source, reference, hypothesis)
+    and ``<workdir>/<split>_scores.json``; prints the scores with their
+    signatures and ``num_examples`` example translations.
+    """
+    import json
+    import time
+    from pathlib import Path
+
+    from flaxformer_lite.data import pipeline
+    from flaxformer_lite.translate import Translator
+
+    workdir = Path(workdir)
+    translator = Translator.from_workdir(workdir)
+    config = translator.run_config
+    d = config.data
+    pairs = pipeline.load_texts(d.dataset, split, (d.source_lang, d.target_lang), d.data_dir)
+    if limit:
+        pairs = pairs[:limit]
+    sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
+    seconds = time.perf_counter() - start
+    scores = corpus_scores(hypotheses, references)
+    with open(workdir / f"{split}_translations.tsv", "w", encoding="utf-8") as f:
+        f.write("source\treference\thypothesis\n")
+        for row in zip(sources, references, hypotheses, strict=True):
+            f.write("\t".join(x.replace("\t", " ") for x in row) + "\n")
+    (workdir / f"{split}_scores.json").write_text(
+        json.dumps(
+            {
+                **dataclasses.asdict(scores),
+                "split": split,
+                "beam_size": beam_size,
+                "alpha": alpha,
+                "checkpoint": translator.checkpoint,
+                "seconds": seconds,
+            },
+            indent=2,
+        )
+    )
+    print(
+        f"{d.dataset} {split} ({d.source_lang}->{d.target_lang}, beam {beam_size}, "
+        f"alpha {alpha}, {translator.checkpoint}, {seconds:.0f} s):"
+    )
+    print(f"  {scores.line()}")
+    for src, ref, hyp in list(zip(sources, references, hypotheses, strict=True))[:num_examples]:
+        print(f"  source:    {src}\n  reference: {ref}\n  output:    {hyp}")
+    return scores

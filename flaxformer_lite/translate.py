@@ -1,0 +1,201 @@
+"""``Translator``: a trained workdir as a Python API and a command-line filter.
+
+  from flaxformer_lite.translate import Translator
+  t = Translator.from_workdir("runs/ende_small")
+  t.translate(["Where is the station?"], beam_size=4, alpha=0.6)
+
+  python -m flaxformer_lite.main translate --workdir=runs/ende_small "Where is the station?"
+  python -m flaxformer_lite.main translate --workdir=runs/ende_small < sentences.txt
+
+Loads the run's config, tokenizer and parameters (averaged if present, else
+the best validation checkpoint, else the last). Sentences are batched,
+decoded with beam search (default: the paper's beam 4, alpha 0.6, at most
+source length + 50 tokens), and returned in input order.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite import decoding
+from flaxformer_lite.architectures.lm import LanguageModel
+from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
+
+TOO_LONG = ("truncate", "refuse")
+
+
+class TranslateError(ValueError):
+    """Bad input to the translator; the message names the value and the fix."""
+
+
+class Translator:
+    def __init__(
+        self,
+        model,
+        params,
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int = 32,
+        too_long: str = "truncate",
+        max_extra: int = 50,
+    ):
+        if too_long not in TOO_LONG:
+            raise TranslateError(f"too_long={too_long!r}; choose one of {', '.join(TOO_LONG)}")
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.config: ModelConfig = model.config
+        self.batch_size, self.too_long, self.max_extra = batch_size, too_long, max_extra
+        self.checkpoint = ""
+        self.run_config: ml_collections.ConfigDict | None = None
+
+    @classmethod
+    def from_workdir(cls, workdir: str | Path, kind: str | None = None, **kwargs) -> Translator:
+        workdir = Path(workdir)
+        values = ckpt_lib.read_config(workdir)
+        if values is None:
+            raise ckpt_lib.CheckpointError(
+                f"{workdir} is not a training run (no {ckpt_lib.CONFIG_FILE}); train first: "
+                f"python -m flaxformer_lite.main --config=configs/ende_small.py --workdir={workdir}"
+            )
+        config = ml_collections.ConfigDict(values)
+        model_config = ModelConfig.from_dict(config.model)
+        is_lm = config.data.get("task", "translation") == "lm"
+        model = LanguageModel(model_config) if is_lm else Transformer(model_config)
+        dummy = jnp.ones((1, 8), jnp.int32)
+        target = jax.eval_shape(
+            lambda: model.init(jax.random.key(0), *((dummy,) if is_lm else (dummy, dummy)))
+        )["params"]
+        kinds = (
+            [kind]
+            if kind
+            else [
+                k
+                for k in ("averaged", "best", "last")
+                if ckpt_lib.available(workdir, k) is not None
+            ]
+        )
+        if not kinds:
+            raise ckpt_lib.CheckpointError(
+                f"{workdir} holds no checkpoint yet; train first (or wait for the first save)"
+            )
+        params, step = ckpt_lib.restore_params(workdir, target, kinds[0])
+        translator = cls(model, params, Tokenizer.load(workdir / MODEL_NAME), **kwargs)
+        translator.checkpoint = f"{kinds[0]} checkpoint, step {step}"
+        translator.run_config = config
+        return translator
+
+    # Encoding ---------------------------------------------------------------------------
+    def _encode(self, sentences: Sequence[str]) -> list[np.ndarray]:
+        limit = self.config.max_len
+        out = []
+        for i, s in enumerate(sentences):
+            if not isinstance(s, str):
+                raise TranslateError(f"sentence {i} is {type(s).__name__}, not a string")
+            ids = self.tokenizer.encode(s.strip())
+            if len(ids) > limit:
+                if self.too_long == "refuse":
+                    raise TranslateError(
+                        f"sentence {i} has {len(ids)} tokens, more than model.max_len={limit}; "
+                        "shorten it or use too_long='truncate'"
+                    )
+                warnings.warn(
+                    f"sentence {i} has {len(ids)} tokens; truncated to {limit}", stacklevel=3
+                )
+                ids = np.append(ids[: limit - 1], self.config.eos_id).astype(np.int32)
+            out.append(ids)
+        return out
+
+    def _batches(self, encoded: list[np.ndarray]):
+        """Index-sorted by length so each batch pads little; bucketed lengths limit recompiles."""
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            length = max(len(encoded[i]) for i in idx)
+            length = min(2 ** math.ceil(math.log2(max(length, 8))), self.config.max_len)
+            rows = np.zeros((self.batch_size, length), np.int32)
+            for r, i in enumerate(idx):
+                rows[r, : len(encoded[i])] = encoded[i]
+            yield idx, rows, max(len(encoded[i]) for i in idx)
+
+    # Translating --------------------------------------------------------------------------
+    def translate(
+        self,
+        sentences: Sequence[str],
+        beam_size: int = 4,
+        alpha: float = 0.6,
+        max_length: int | None = None,
+    ) -> list[str]:
+        """Translations of ``sentences`` (empty or blank sentences give '')."""
+        if isinstance(sentences, str):
+            raise TranslateError("translate() takes a list of sentences, not one string")
+        if isinstance(self.model, LanguageModel):
+            raise TranslateError("this workdir holds a language model; use generate()")
+        if not isinstance(beam_size, int) or beam_size < 1:
+            raise TranslateError(f"beam_size={beam_size!r} must be an integer >= 1")
+        if not alpha >= 0:
+            raise TranslateError(f"alpha={alpha!r} must be >= 0 (the paper uses 0.6)")
+        results = [""] * len(sentences)
+        todo = [i for i, s in enumerate(sentences) if isinstance(s, str) and s.strip()]
+        if len(todo) < len(sentences):
+            bad = [i for i, s in enumerate(sentences) if not isinstance(s, str)]
+            if bad:
+                raise TranslateError(f"sentence {bad[0]} is not a string")
+        encoded = self._encode([sentences[i] for i in todo])
+        c = self.config
+        for idx, rows, longest in self._batches(encoded):
+            limit = max_length or min(longest + self.max_extra, c.max_len)
+            if beam_size == 1:
+                ids = decoding.sample(
+                    self.model,
+                    self.params,
+                    jnp.asarray(rows),
+                    max_length=limit,
+                    eos_id=c.eos_id,
+                    bos_id=c.bos_id,
+                )
+            else:
+                ids, _ = decoding.beam_search(
+                    self.model,
+                    self.params,
+                    jnp.asarray(rows),
+                    beam_size=beam_size,
+                    alpha=float(alpha),
+                    max_length=limit,
+                    eos_id=c.eos_id,
+                    bos_id=c.bos_id,
+                )
+                ids = ids[:, 0]
+            for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
+                results[todo[r]] = self.tokenizer.decode(tokens)
+        return results
+
+
+def main(
+    workdir: str, sentences: list[str], beam_size: int, alpha: float, input_file: str | None = None
+) -> int:
+    translator = Translator.from_workdir(workdir)
+    if input_file:
+        try:
+            sentences = Path(input_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise TranslateError(f"cannot read --input={input_file} ({e.strerror})") from e
+    elif not sentences:
+        if sys.stdin.isatty():
+            print(
+                "reading sentences from standard input, one per line (Ctrl-D ends)", file=sys.stderr
+            )
+        sentences = [line.rstrip("\n") for line in sys.stdin]
+    for line in translator.translate(sentences, beam_size=beam_size, alpha=alpha):
+        print(line)
+    return 0

@@ -1,0 +1,204 @@
+"""Decoding: cache == no cache, beam 1 == greedy, sampling, a learned copy task, BLEU."""
+
+import collections
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flaxformer_lite import LanguageModel, ModelConfig, Transformer, decoding
+from flaxformer_lite.evaluation import corpus_scores
+
+CFG = ModelConfig(
+    vocab_size=40,
+    d_model=32,
+    num_heads=4,
+    d_ff=64,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    max_len=32,
+    embedding_dropout=0.0,
+    residual_dropout=0.0,
+)
+SRC = jnp.array([[5, 6, 7, 8, 1, 0], [9, 10, 1, 0, 0, 0], [11, 12, 13, 14, 15, 1]])
+
+
+@pytest.fixture(scope="module")
+def model_params():
+    model = Transformer(CFG)
+    params = model.init(jax.random.key(3), SRC, SRC)["params"]
+    # Sharpen the output so that EOS and ties behave like a trained model's.
+    params = jax.tree.map(lambda x: x * 1.5, params)
+    return model, params
+
+
+def test_cached_greedy_equals_uncached(model_params):
+    model, params = model_params
+    kw = dict(max_length=12, eos_id=1, bos_id=2)
+    cached = decoding.sample(model, params, SRC, **kw)
+    uncached = decoding.greedy_uncached(model, params, SRC, **kw)
+    np.testing.assert_array_equal(cached, uncached)
+
+
+def test_beam_one_equals_greedy(model_params):
+    model, params = model_params
+    kw = dict(max_length=12, eos_id=1, bos_id=2)
+    greedy = decoding.sample(model, params, SRC, **kw)
+    beams, _ = decoding.beam_search(model, params, SRC, beam_size=1, alpha=0.0, **kw)
+    np.testing.assert_array_equal(beams[:, 0], greedy)
+
+
+def _score(model, params, src, seq, alpha, eos_id=1):
+    """log p(seq | src) / length penalty, by a full forward pass."""
+    n = next((i + 1 for i, t in enumerate(seq) if t == eos_id), len(seq))
+    labels = jnp.asarray([list(seq[:n])])
+    logp = jax.nn.log_softmax(model.apply({"params": params}, src[None], labels))
+    total = float(jnp.take_along_axis(logp, labels[..., None], -1).sum())
+    return total / ((5 + n) / 6) ** alpha
+
+
+def test_beams_sorted_by_penalised_score_and_end_properly(model_params):
+    model, params = model_params
+    beams, scores = decoding.beam_search(
+        model, params, SRC, beam_size=4, alpha=0.6, max_length=10, eos_id=1, bos_id=2
+    )
+    assert beams.shape == (3, 4, 10) and scores.shape == (3, 4)
+    s = np.asarray(scores)
+    assert (np.diff(s, axis=1) <= 1e-6).all(), "hypotheses sorted best first"
+    for b in range(3):
+        for k in range(4):
+            seq = np.asarray(beams[b, k]).tolist()
+            ended = 1 in seq
+            assert ended or 0 not in seq, "each hypothesis ends in EOS or at max length"
+            if ended:
+                assert all(t == 0 for t in seq[seq.index(1) + 1 :])
+            assert _score(model, params, SRC[b], seq, 0.6) == pytest.approx(s[b, k], abs=1e-3)
+
+
+def test_beam_search_beats_greedy_in_score(model_params):
+    model, params = model_params
+    kw = dict(max_length=10, eos_id=1, bos_id=2)
+    greedy = np.asarray(decoding.sample(model, params, SRC, **kw))
+    beams, scores = decoding.beam_search(model, params, SRC, beam_size=4, alpha=0.6, **kw)
+    for b in range(3):
+        assert float(scores[b, 0]) >= _score(model, params, SRC[b], greedy[b].tolist(), 0.6) - 1e-4
+
+
+def test_sampling_seeds_and_zero_temperature(model_params):
+    model, params = model_params
+    kw = dict(max_length=12, eos_id=1, bos_id=2)
+    greedy = decoding.sample(model, params, SRC, **kw)
+    cold = decoding.sample(model, params, SRC, rng=jax.random.key(0), temperature=1e-4, **kw)
+    np.testing.assert_array_equal(cold, greedy)
+    a = decoding.sample(model, params, SRC, rng=jax.random.key(7), temperature=1.5, **kw)
+    b = decoding.sample(model, params, SRC, rng=jax.random.key(7), temperature=1.5, **kw)
+    c = decoding.sample(model, params, SRC, rng=jax.random.key(8), temperature=1.5, **kw)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    k2 = decoding.filter_logits(logits, top_k=2)
+    assert (np.asarray(k2[0, 2:]) < -1e8).all() and np.isfinite(np.asarray(k2[0, :2])).all()
+    p = decoding.filter_logits(logits, top_p=0.75)  # 0.5 + 0.3 reach 0.75
+    assert (np.asarray(p[0, :2]) > -1e8).all() and (np.asarray(p[0, 2:]) < -1e8).all()
+
+
+def test_language_model_prefix_is_forced():
+    lm = LanguageModel(CFG)
+    params = lm.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    prefix = jnp.array([[7, 8, 9], [10, 0, 0]])
+    out = decoding.sample(lm, params, None, prefix=prefix, max_length=8, eos_id=1, bos_id=2)
+    assert out[0, :3].tolist() == [7, 8, 9] and int(out[1, 0]) == 10
+    greedy = decoding.sample(lm, params, None, batch_size=2, max_length=8, eos_id=1, bos_id=2)
+    assert greedy.shape == (2, 8)
+
+
+def test_tiny_model_learns_to_copy_and_decodes_it_perfectly():
+    """Trains a small Transformer on copying token sequences, then decodes held-out ones."""
+    c = ModelConfig(
+        vocab_size=16,
+        d_model=64,
+        num_heads=4,
+        d_ff=128,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        max_len=16,
+        embedding_dropout=0.0,
+        residual_dropout=0.0,
+    )
+    model = Transformer(c)
+    rng = np.random.default_rng(0)
+
+    def batch(n):
+        src = np.zeros((n, 8), np.int32)
+        for i in range(n):
+            length = rng.integers(3, 7)
+            src[i, :length] = rng.integers(3, 16, length)
+            src[i, length] = 1
+        return jnp.asarray(src)
+
+    params = model.init(jax.random.key(0), batch(2), batch(2))["params"]
+    tx = optax.adam(3e-3)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(params, opt, src):
+        def loss(p):
+            logits = model.apply({"params": p}, src, src)
+            nll = optax.softmax_cross_entropy_with_integer_labels(logits, src)
+            return (nll * (src != 0)).sum() / (src != 0).sum()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    for _ in range(400):
+        params, opt, value = step(params, opt, batch(64))
+    assert float(value) < 0.05
+    test = batch(32)
+    for out in (
+        decoding.sample(model, params, test, max_length=9, eos_id=1, bos_id=2),
+        decoding.beam_search(
+            model, params, test, beam_size=3, alpha=0.6, max_length=9, eos_id=1, bos_id=2
+        )[0][:, 0],
+    ):
+        want = decoding.strip(test, 1)
+        assert decoding.strip(out, 1) == want
+
+
+def _reference_bleu(hyps, refs):
+    """BLEU-4 by the definition (Papineni et al.), whitespace tokens, no smoothing."""
+    matches, totals, hyp_len, ref_len = [0] * 4, [0] * 4, 0, 0
+    for h, r in zip(hyps, refs, strict=True):
+        h, r = h.split(), r.split()
+        hyp_len, ref_len = hyp_len + len(h), ref_len + len(r)
+        for n in range(1, 5):
+            hc = collections.Counter(tuple(h[i : i + n]) for i in range(len(h) - n + 1))
+            rc = collections.Counter(tuple(r[i : i + n]) for i in range(len(r) - n + 1))
+            matches[n - 1] += sum(min(v, rc[g]) for g, v in hc.items())
+            totals[n - 1] += max(len(h) - n + 1, 0)
+    log_p = sum(math.log(m / t) for m, t in zip(matches, totals, strict=True)) / 4
+    bp = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / hyp_len)
+    return 100 * bp * math.exp(log_p)
+
+
+def test_bleu_matches_the_definition_and_has_a_signature():
+    hyps = ["the cat sat on the mat today", "a quick brown dog jumps over the lazy fox"]
+    refs = ["the cat sat on a mat today", "the quick brown fox jumps over the lazy dog"]
+    s = corpus_scores(hyps, refs)
+    assert s.bleu == pytest.approx(_reference_bleu(hyps, refs), abs=1e-6)
+    assert "tok:13a" in s.bleu_signature and "version:" in s.bleu_signature
+    assert corpus_scores(refs, refs).bleu == pytest.approx(100.0)
+    assert 0 < s.chrf < 100
+    with pytest.raises(ValueError, match="must pair up"):
+        corpus_scores(hyps, refs[:1])
+
+
+def test_length_penalty_formula():
+    assert float(decoding.length_penalty(jnp.float32(7), 0.6)) == pytest.approx((12 / 6) ** 0.6)
+    assert float(decoding.length_penalty(jnp.float32(7), 0.0)) == 1.0

@@ -1,0 +1,123 @@
+"""The Translator API and the translate/evaluate commands on a tiny trained workdir."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite.data.builders import build_local_dataset
+from flaxformer_lite.evaluation import evaluate_workdir
+from flaxformer_lite.training.train import train_and_evaluate
+from flaxformer_lite.translate import TranslateError, Translator
+from tests import fixtures
+from tests.test_training import debug_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    raw = fixtures.write_raw_root(tmp_path_factory.mktemp("raw"), ding_sentences=1600)
+    data_dir = tmp_path_factory.mktemp("tfds")
+    build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
+    workdir = tmp_path_factory.mktemp("run")
+    config = debug_config(data_dir, num_steps=6)
+    config.model.max_len = 32
+    train_and_evaluate(config, workdir)
+    return workdir, raw
+
+
+def test_translate_returns_strings_in_order(run):
+    workdir, _ = run
+    t = Translator.from_workdir(workdir)
+    assert t.checkpoint.startswith("best checkpoint")
+    out = t.translate(["This is sentence number 3.", "", "   ", "This is sentence number 4."])
+    assert len(out) == 4 and all(isinstance(s, str) for s in out)
+    assert out[1] == "" and out[2] == ""
+    assert t.translate(["This is sentence number 3."], beam_size=1) == t.translate(
+        ["This is sentence number 3."], beam_size=1
+    )
+
+
+def test_bad_input_messages(run):
+    workdir, _ = run
+    t = Translator.from_workdir(workdir)
+    with pytest.raises(TranslateError, match="beam_size=0 must be an integer >= 1"):
+        t.translate(["a b c"], beam_size=0)
+    with pytest.raises(TranslateError, match="alpha=-1 must be >= 0"):
+        t.translate(["a b c"], alpha=-1)
+    with pytest.raises(TranslateError, match="a list of sentences, not one string"):
+        t.translate("a b c")
+    with pytest.raises(TranslateError, match="sentence 1 is not a string"):
+        t.translate(["a", 3])
+    long = "This is sentence number 123456789. " * 20
+    with pytest.warns(UserWarning, match="truncated to 32"):
+        assert isinstance(t.translate([long], beam_size=1)[0], str)
+    strict = Translator.from_workdir(workdir, too_long="refuse")
+    with pytest.raises(TranslateError, match="more than model.max_len=32"):
+        strict.translate([long])
+    # Characters outside the vocabulary map to <unk>, never a crash.
+    assert isinstance(t.translate(["日本語 ✓ ∑"], beam_size=1)[0], str)
+
+
+def test_workdir_without_checkpoints(tmp_path):
+    with pytest.raises(ckpt_lib.CheckpointError, match="not a training run"):
+        Translator.from_workdir(tmp_path)
+    ckpt_lib.write_config(tmp_path, '{"model": {}, "data": {}}')
+    with pytest.raises(ckpt_lib.CheckpointError, match="holds no checkpoint yet"):
+        Translator.from_workdir(tmp_path)
+
+
+def test_evaluate_writes_scores_and_translations(run, capsys):
+    workdir, _ = run
+    scores = evaluate_workdir(workdir, "test", beam_size=2, limit=10)
+    out = capsys.readouterr().out
+    assert "BLEU" in out and "tok:13a" in out and "source:" in out
+    assert scores.num_sentences == 10
+    assert (workdir / "test_translations.tsv").read_text().count("\n") == 11
+    assert (workdir / "test_scores.json").exists()
+
+
+def test_translate_cli(run):
+    workdir, raw = run
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    cmd = [
+        sys.executable,
+        "-m",
+        "flaxformer_lite.main",
+        "translate",
+        f"--workdir={workdir}",
+        "--beam_size=2",
+    ]
+    out = subprocess.run(
+        cmd + ["This is sentence number 1.", "This is sentence number 2."],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.splitlines()) == 2
+    piped = subprocess.run(
+        cmd,
+        input="This is sentence number 9.\n",
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1
+    bad = subprocess.run(
+        cmd[:-1] + ["--beam_size=0", "x"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 1 and "beam_size=0" in bad.stderr and "Traceback" not in bad.stderr
