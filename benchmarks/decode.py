@@ -23,20 +23,13 @@ import jax
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import TINY  # noqa: E402
 
 from flaxformer_lite import decoding  # noqa: E402
 from flaxformer_lite.architectures.transformer import Transformer  # noqa: E402
-from flaxformer_lite.config import ModelConfig  # noqa: E402
 
-TINY = ModelConfig(
-    vocab_size=8000,
-    d_model=256,
-    num_heads=4,
-    d_ff=1024,
-    num_encoder_layers=3,
-    num_decoder_layers=3,
-    max_len=256,
-)
 BATCH, SOURCE, NEW = 32, 64, 64
 NEVER = -1  # an EOS id no argmax can produce: fixed-length decoding
 

@@ -31,6 +31,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import BASE_LIKE, TINY  # noqa: E402
 
 from flaxformer_lite.architectures.transformer import Transformer  # noqa: E402
 from flaxformer_lite.config import ModelConfig  # noqa: E402
@@ -39,24 +42,6 @@ from flaxformer_lite.training import flops, steps  # noqa: E402
 from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
 
 BATCH, LENGTH = 32, 64
-TINY = ModelConfig(
-    vocab_size=8000,
-    d_model=256,
-    num_heads=4,
-    d_ff=1024,
-    num_encoder_layers=3,
-    num_decoder_layers=3,
-    max_len=256,
-)
-BASE_LIKE = ModelConfig(
-    vocab_size=8000,
-    d_model=512,
-    num_heads=8,
-    d_ff=2048,
-    num_encoder_layers=6,
-    num_decoder_layers=6,
-    max_len=256,
-)
 OPTIMIZER = ml_collections.ConfigDict(
     dict(
         b1=0.9,
