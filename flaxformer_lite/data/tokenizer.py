@@ -1,0 +1,127 @@
+"""A joint sentencepiece vocabulary for source and target, trained on train data only.
+
+Ids: pad 0, EOS 1, BOS 2, unknown 3 (``ModelConfig`` uses the same pad/eos/bos).
+The model lives in the workdir (``tokenizer.model``) and is reused on resume,
+so a run never silently changes its vocabulary.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+MODEL_NAME = "tokenizer.model"
+
+
+class Tokenizer:
+    """Thin wrapper: ``encode`` to int32 ids (+EOS), ``decode`` back to text."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor, path: Path | None = None):
+        self.sp = processor
+        self.path = path
+        if (self.sp.pad_id(), self.sp.eos_id(), self.sp.bos_id()) != (PAD_ID, EOS_ID, BOS_ID):
+            raise ValueError(
+                f"sentencepiece model {path} has pad/eos/bos ids "
+                f"{self.sp.pad_id()}/{self.sp.eos_id()}/{self.sp.bos_id()}, expected "
+                f"{PAD_ID}/{EOS_ID}/{BOS_ID}; train it with flaxformer_lite.data.tokenizer"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str, add_eos: bool = True) -> np.ndarray:
+        ids = self.sp.encode(text)
+        if add_eos:
+            ids.append(EOS_ID)
+        return np.asarray(ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str], add_eos: bool = True) -> list[np.ndarray]:
+        return [self.encode(t, add_eos) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ids up to the first EOS; pad/BOS are skipped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                out.append(i)
+        return self.sp.decode(out)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no sentencepiece model at {path}")
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.load(str(path))
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"{path} is not a valid sentencepiece model ({e}); delete it to "
+                             "train a new one") from e
+        return cls(sp, path)
+
+
+def train_tokenizer(
+    sentences: Iterator[str],
+    path: str | Path,
+    vocab_size: int,
+    *,
+    character_coverage: float = 1.0,
+    max_sentences: int = 2_000_000,
+    seed_sentencepiece_size: int = 200_000,
+) -> Tokenizer:
+    """Train a unigram sentencepiece model on ``sentences`` and write it atomically to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    try:
+        _train(sentences, buffer, vocab_size, character_coverage, max_sentences,
+               seed_sentencepiece_size)
+    except RuntimeError as e:
+        raise ValueError(
+            f"sentencepiece could not train a {vocab_size}-piece vocabulary ({e}); "
+            "lower model.vocab_size or add training data"
+        ) from e
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(buffer.getvalue())
+    os.replace(tmp, path)  # never a half-written model
+    return Tokenizer.load(path)
+
+
+def _train(sentences, buffer, vocab_size, character_coverage, max_sentences,
+           seed_sentencepiece_size) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences,
+        model_writer=buffer,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=character_coverage,
+        input_sentence_size=max_sentences,
+        shuffle_input_sentence=True,
+        seed_sentencepiece_size=seed_sentencepiece_size,
+        pad_id=PAD_ID,
+        eos_id=EOS_ID,
+        bos_id=BOS_ID,
+        unk_id=UNK_ID,
+        num_threads=os.cpu_count() or 1,
+        minloglevel=2,
+    )
+
+
+def load_or_train(
+    workdir: str | Path, sentences_fn, vocab_size: int
+) -> Tokenizer:
+    """The workdir's tokenizer, trained from ``sentences_fn()`` the first time."""
+    path = Path(workdir) / MODEL_NAME
+    if path.exists():
+        return Tokenizer.load(path)
+    return train_tokenizer(sentences_fn(), path, vocab_size)
