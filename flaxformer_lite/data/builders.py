@@ -91,9 +91,7 @@ class BibleEnEs(tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager):
         english = corpora.read_sword_module(_manual_path(dl_manager.manual_dir, "sword-text-kjv"))
-        spanish = corpora.read_sword_module(
-            _manual_path(dl_manager.manual_dir, "sword-text-sparv")
-        )
+        spanish = corpora.read_sword_module(_manual_path(dl_manager.manual_dir, "sword-text-sparv"))
         splits = corpora.split_bible(english, spanish)
         print(
             f"bible_en_es: {len(english)} English and {len(spanish)} Spanish verses; "

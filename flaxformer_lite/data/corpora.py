@@ -152,10 +152,14 @@ _NOTE = re.compile(r"<note\b[^>]*?(?:/>|>.*?</note>)", re.S)
 _TITLE = re.compile(r"<title\b[^>]*?(?:/>|>.*?</title>)", re.S)
 _TAG = re.compile(r"<[^>]+>")
 _SPACE_BEFORE_PUNCT = re.compile(r"\s+([,.;:!?])")
-_BOOK = re.compile(r'<div\b[^>]*\bosisID="([^"]+)"[^>]*\bsID=[^>]*type="book"|'
-                   r'<div\b[^>]*type="book"[^>]*\bosisID="([^"]+)"[^>]*\bsID=')
-_CHAPTER = re.compile(r'<chapter\b[^>]*\bosisID="([^".]+)\.(\d+)"[^>]*\bsID=|'
-                      r'<chapter\b[^>]*\bsID=[^>]*\bosisID="([^".]+)\.(\d+)"')
+_BOOK = re.compile(
+    r'<div\b[^>]*\bosisID="([^"]+)"[^>]*\bsID=[^>]*type="book"|'
+    r'<div\b[^>]*type="book"[^>]*\bosisID="([^"]+)"[^>]*\bsID='
+)
+_CHAPTER = re.compile(
+    r'<chapter\b[^>]*\bosisID="([^".]+)\.(\d+)"[^>]*\bsID=|'
+    r'<chapter\b[^>]*\bsID=[^>]*\bosisID="([^".]+)\.(\d+)"'
+)
 
 
 def strip_osis(text: str) -> str:
@@ -187,13 +191,17 @@ def _read_testament(directory: Path, testament: str) -> list[str]:
             entries.append("")
             continue
         if block >= len(blocks):
-            raise ValueError(f"{directory}/{testament}.bzv points at block {block} of {len(blocks)}")
+            raise ValueError(
+                f"{directory}/{testament}.bzv points at block {block} of {len(blocks)}"
+            )
         if block not in cache:
             start, length, _ = blocks[block]
             try:
                 cache[block] = zlib.decompress(bzz[start : start + length])
             except zlib.error as e:
-                raise ValueError(f"{directory}/{testament}.bzz block {block} is corrupt: {e}") from e
+                raise ValueError(
+                    f"{directory}/{testament}.bzz block {block} is corrupt: {e}"
+                ) from e
         entries.append(cache[block][offset : offset + size].decode("utf-8", errors="replace"))
     return entries
 

@@ -69,9 +69,19 @@ def load_texts(
     def text(value) -> str:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
-    return [
-        tuple(text(ex[f]) for f in features) for ex in (source[i] for i in range(len(source)))
-    ]
+    # Batched reads: one record at a time costs ~1.7 ms (11 min for the 399k phrase
+    # pairs); __getitems__ reads a chunk in one call, ~50x faster.
+    out: list[tuple[str, ...]] = []
+    chunk = 4096
+    for start in range(0, len(source), chunk):
+        indices = list(range(start, min(start + chunk, len(source))))
+        records = (
+            source.__getitems__(indices)
+            if hasattr(source, "__getitems__")
+            else [source[i] for i in indices]
+        )
+        out.extend(tuple(text(ex[f]) for f in features) for ex in records)
+    return out
 
 
 def load_text_pairs(
@@ -103,8 +113,12 @@ def tokenize_pairs(
                 long_dropped += 1
                 continue
             truncated += 1
-            ids = [np.append(x[: max_length - 1], EOS_ID).astype(np.int32)
-                   if len(x) > max_length else x for x in ids]
+            ids = [
+                np.append(x[: max_length - 1], EOS_ID).astype(np.int32)
+                if len(x) > max_length
+                else x
+                for x in ids
+            ]
         out.append(dict(zip(keys, ids, strict=True)))
     return out, PipelineStats(len(out), long_dropped, truncated, empty)
 
@@ -187,15 +201,20 @@ class PackedTrainDataset(grain.IterDataset):
         self.keys = tuple(examples[0])  # ("inputs", "targets") or ("targets",) for an LM
         self.lengths = np.array([[len(e[k]) for k in self.keys] for e in examples])
         self.batch_size, self.max_length, self.seed, self.pack = (
-            batch_size, max_length, seed, pack)
+            batch_size,
+            max_length,
+            seed,
+            pack,
+        )
 
     def plan(self, epoch: int) -> list:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
         if self.pack:
             return plan_epoch(self.lengths, order, self.batch_size, self.max_length)
         n = len(order) // self.batch_size * self.batch_size
-        return [[[int(i)] for i in order[s : s + self.batch_size]]
-                for s in range(0, n, self.batch_size)]
+        return [
+            [[int(i)] for i in order[s : s + self.batch_size]] for s in range(0, n, self.batch_size)
+        ]
 
     def materialize(self, rows: list[list[int]]) -> dict[str, np.ndarray]:
         shape = (self.batch_size, self.max_length)
@@ -262,8 +281,10 @@ def eval_batches(
         batch = _pad_batch(chunk, max_length)
         if len(chunk) < batch_size:  # keep one static shape: fill with all-padding rows
             fill = batch_size - len(chunk)
-            batch = {k: np.concatenate([v, np.zeros((fill, max_length), v.dtype)])
-                     for k, v in batch.items()}
+            batch = {
+                k: np.concatenate([v, np.zeros((fill, max_length), v.dtype)])
+                for k, v in batch.items()
+            }
         batches.append(batch)
     return batches
 
@@ -293,4 +314,3 @@ def describe(batch: dict[str, np.ndarray]) -> str:
     """Fill ratio of a batch (non-pad tokens / slots), for logs."""
     fill = {k: float((batch[k] != PAD_ID).mean()) for k in ("inputs", "targets") if k in batch}
     return ", ".join(f"{k} {v:.0%} full" for k, v in fill.items())
-

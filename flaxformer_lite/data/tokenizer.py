@@ -65,8 +65,9 @@ class Tokenizer:
         try:
             sp.load(str(path))
         except (OSError, RuntimeError) as e:
-            raise ValueError(f"{path} is not a valid sentencepiece model ({e}); delete it to "
-                             "train a new one") from e
+            raise ValueError(
+                f"{path} is not a valid sentencepiece model ({e}); delete it to train a new one"
+            ) from e
         return cls(sp, path)
 
 
@@ -84,8 +85,14 @@ def train_tokenizer(
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     try:
-        _train(sentences, buffer, vocab_size, character_coverage, max_sentences,
-               seed_sentencepiece_size)
+        _train(
+            sentences,
+            buffer,
+            vocab_size,
+            character_coverage,
+            max_sentences,
+            seed_sentencepiece_size,
+        )
     except RuntimeError as e:
         raise ValueError(
             f"sentencepiece could not train a {vocab_size}-piece vocabulary ({e}); "
@@ -97,8 +104,9 @@ def train_tokenizer(
     return Tokenizer.load(path)
 
 
-def _train(sentences, buffer, vocab_size, character_coverage, max_sentences,
-           seed_sentencepiece_size) -> None:
+def _train(
+    sentences, buffer, vocab_size, character_coverage, max_sentences, seed_sentencepiece_size
+) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=sentences,
         model_writer=buffer,
@@ -117,9 +125,7 @@ def _train(sentences, buffer, vocab_size, character_coverage, max_sentences,
     )
 
 
-def load_or_train(
-    workdir: str | Path, sentences_fn, vocab_size: int
-) -> Tokenizer:
+def load_or_train(workdir: str | Path, sentences_fn, vocab_size: int) -> Tokenizer:
     """The workdir's tokenizer, trained from ``sentences_fn()`` the first time."""
     path = Path(workdir) / MODEL_NAME
     if path.exists():
