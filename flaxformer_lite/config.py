@@ -67,6 +67,12 @@ class ModelConfig:
     use_bias: bool = True  # biases in the attention projections
     layer_norm_epsilon: float = 1e-6
 
+    # Sparse self-attention (components/sparse.py has the spec grammar).
+    attention_pattern: str = "dense"  # dense | bigbird | local:window=128+global:first=1 | ...
+    attention_impl: str = "blocked"  # blocked (no n x n array) | reference (dense mask)
+    attention_block_size: int = 64  # kernel block; also the default block of random/bigbird
+    attention_seed: int = 0  # draws of random patterns (salted per layer)
+
     # Token ids (the data pipeline's sentencepiece model uses the same).
     pad_id: int = 0
     eos_id: int = 1
@@ -81,6 +87,11 @@ class ModelConfig:
         _validate(self)
 
     # Derived values -------------------------------------------------------
+    @property
+    def sparse_attention(self) -> bool:
+        """True when self-attention uses ``attention_pattern`` instead of dense attention."""
+        return self.attention_pattern.strip() not in ("", "dense")
+
     @property
     def head_dim_qk(self) -> int:
         return self.d_k if self.d_k is not None else self.d_model // self.num_heads
@@ -183,10 +194,47 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(
                 f"model.{name}={value!r} must be a token id in [0, vocab_size={c.vocab_size})"
             )
+    _validate_sparse(c)
     if c.eos_id == c.pad_id:
         raise ConfigError(
             f"model.eos_id={c.eos_id} equals model.pad_id: end-of-sentence would be masked "
             "as padding; give them different ids"
+        )
+
+
+def _validate_sparse(c: ModelConfig) -> None:
+    from flaxformer_lite.components import sparse
+
+    if not isinstance(c.attention_block_size, int) or c.attention_block_size < 1:
+        raise ConfigError(
+            f"model.attention_block_size={c.attention_block_size!r} must be a positive integer"
+        )
+    if not isinstance(c.attention_seed, int) or isinstance(c.attention_seed, bool):
+        raise ConfigError(f"model.attention_seed={c.attention_seed!r} must be an integer")
+    _check_choice("attention_impl", c.attention_impl, sparse.IMPLS)
+    if sparse.is_dense(c.attention_pattern):
+        return
+    try:
+        sparse.check_spec(
+            c.attention_pattern,
+            c.num_heads,
+            max(c.num_encoder_layers, c.num_decoder_layers),
+            c.attention_block_size,
+        )
+    except sparse.PatternSpecError as e:
+        raise ConfigError(
+            f"model.attention_pattern={c.attention_pattern!r}: {e} "
+            "(grammar: flaxformer_lite/components/sparse.py)"
+        ) from None
+    if c.score_fn not in ("scaled_dot", "dot"):
+        raise ConfigError(
+            f"model.score_fn={c.score_fn!r} with a sparse attention_pattern: the blocked kernel "
+            "computes dot-product scores; use scaled_dot or dot, or attention_pattern=dense"
+        )
+    if c.attention_dropout > 0:
+        raise ConfigError(
+            f"model.attention_dropout={c.attention_dropout} with a sparse attention_pattern is "
+            "not supported; set it to 0 (residual dropout still applies)"
         )
 
 

@@ -17,6 +17,7 @@ from jax import Array
 
 from flaxformer_lite.architectures.transformer import Decoder, shift_right
 from flaxformer_lite.components.masks import (
+    SegmentIds,
     combine_masks,
     make_causal_mask,
     make_padding_mask,
@@ -46,11 +47,14 @@ class LanguageModel(nn.Module):
             return self.decoder(
                 None, tokens, None, None, positions, deterministic=deterministic, decode=True
             )
-        mask = combine_masks(
-            make_padding_mask(tokens, tokens, c.pad_id),
-            make_causal_mask(tokens.shape[1]),
-            None if segmentation is None else make_segment_mask(segmentation, segmentation),
-        )
+        if c.sparse_attention:  # token-level ids; the causal pattern brings causality
+            mask = SegmentIds.from_tokens(tokens, segmentation, c.pad_id)
+        else:
+            mask = combine_masks(
+                make_padding_mask(tokens, tokens, c.pad_id),
+                make_causal_mask(tokens.shape[1]),
+                None if segmentation is None else make_segment_mask(segmentation, segmentation),
+            )
         return self.decoder(
             None,
             shift_right(tokens, c.bos_id, positions),

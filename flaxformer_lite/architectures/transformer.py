@@ -30,6 +30,7 @@ from flaxformer_lite.components.embedding import (
 )
 from flaxformer_lite.components.feedforward import FeedForward
 from flaxformer_lite.components.masks import (
+    SegmentIds,
     combine_masks,
     make_causal_mask,
     make_padding_mask,
@@ -83,11 +84,14 @@ class EncoderLayer(nn.Module):
     """Self-attention and FFN, each in a residual + LayerNorm block."""
 
     config: ModelConfig
+    layer: int = 0
 
     @nn.compact
-    def __call__(self, x: Array, mask: Array | None, *, deterministic: bool = True) -> Array:
+    def __call__(
+        self, x: Array, mask: Array | SegmentIds | None, *, deterministic: bool = True
+    ) -> Array:
         c = self.config
-        attn = MultiHeadAttention(c, name="self_attention")
+        attn = MultiHeadAttention(c, layer=self.layer, name="self_attention")
         x = _residual(
             c,
             x,
@@ -104,20 +108,21 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     has_cross_attention: bool = True
+    layer: int = 0
 
     @nn.compact
     def __call__(
         self,
         x: Array,
         encoded: Array | None,
-        self_mask: Array | None,
+        self_mask: Array | SegmentIds | None,
         cross_mask: Array | None,
         *,
         deterministic: bool = True,
         decode: bool = False,
     ) -> Array:
         c = self.config
-        self_attn = MultiHeadAttention(c, name="self_attention")
+        self_attn = MultiHeadAttention(c, layer=self.layer, causal=True, name="self_attention")
         x = _residual(
             c,
             x,
@@ -184,7 +189,7 @@ class Encoder(nn.Module):
             positions = default_positions(*tokens.shape)
         x = _embed_with_positions(c, embed, tokens, positions, deterministic)
         for i in range(c.num_encoder_layers):
-            x = EncoderLayer(c, name=f"layer_{i}")(x, mask, deterministic=deterministic)
+            x = EncoderLayer(c, layer=i, name=f"layer_{i}")(x, mask, deterministic=deterministic)
         if c.ln_position == "pre":
             x = _layer_norm(c, "final_norm")(x)
         return x
@@ -221,7 +226,7 @@ class Decoder(nn.Module):
                 positions = default_positions(*tokens.shape)
         x = _embed_with_positions(c, embed, tokens, positions, deterministic)
         for i in range(c.num_decoder_layers):
-            x = DecoderLayer(c, self.has_cross_attention, name=f"layer_{i}")(
+            x = DecoderLayer(c, self.has_cross_attention, layer=i, name=f"layer_{i}")(
                 x, encoded, self_mask, cross_mask, deterministic=deterministic, decode=decode
             )
         if c.ln_position == "pre":
@@ -273,9 +278,14 @@ class Transformer(nn.Module):
     ) -> Array:
         """``[b, s]`` source ids -> ``[b, s, m]``."""
         c = self.config
-        mask = make_padding_mask(inputs, inputs, c.pad_id)
-        if inputs_segmentation is not None:
-            mask = combine_masks(mask, make_segment_mask(inputs_segmentation, inputs_segmentation))
+        if c.sparse_attention:
+            mask = SegmentIds.from_tokens(inputs, inputs_segmentation, c.pad_id)
+        else:
+            mask = make_padding_mask(inputs, inputs, c.pad_id)
+            if inputs_segmentation is not None:
+                mask = combine_masks(
+                    mask, make_segment_mask(inputs_segmentation, inputs_segmentation)
+                )
         return self.encoder(inputs, mask, inputs_positions, deterministic=deterministic)
 
     def decode(
@@ -322,6 +332,8 @@ class Transformer(nn.Module):
                 cross_mask = combine_masks(
                     cross_mask, make_segment_mask(targets_segmentation, inputs_segmentation)
                 )
+            if c.sparse_attention:  # token ids; causality comes from the causal pattern
+                self_mask = SegmentIds.from_tokens(targets, targets_segmentation, c.pad_id)
         return self.decoder(
             encoded,
             decoder_inputs,

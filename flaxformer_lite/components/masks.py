@@ -8,6 +8,7 @@ packing compose by logical AND.
 
 from __future__ import annotations
 
+import flax.struct
 import jax.numpy as jnp
 from jax import Array
 
@@ -70,3 +71,24 @@ def combine_masks(*masks: Array | None) -> Array | None:
     for m in present[1:]:
         out = jnp.logical_and(out, m)
     return out
+
+
+@flax.struct.dataclass
+class SegmentIds:
+    """The self-attention mask in token form, for sparse attention (no ``n x n`` array).
+
+    ``ids [B, L]``: a query attends only keys with its own id; 0 marks padding.
+    Unpacked batches use 1 for every real token. Causality, where needed, comes
+    from the (causal) sparse pattern. ``dense()`` gives the equivalent mask.
+    """
+
+    ids: Array
+
+    @classmethod
+    def from_tokens(cls, tokens: Array, segmentation: Array | None, pad_id: int) -> SegmentIds:
+        real = jnp.asarray(tokens) != pad_id
+        ids = jnp.ones_like(tokens, jnp.int32) if segmentation is None else segmentation
+        return cls(jnp.where(real, ids, 0).astype(jnp.int32))
+
+    def dense(self) -> Array:
+        return make_segment_mask(self.ids, self.ids)

@@ -22,12 +22,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array, lax
 
+from flaxformer_lite.components import sparse
 from flaxformer_lite.components.attention import (
     attention_weights,
     dropout_weights,
     make_score_fn,
 )
-from flaxformer_lite.components.masks import combine_masks
+from flaxformer_lite.components.masks import SegmentIds, combine_masks, make_causal_mask
 from flaxformer_lite.config import ModelConfig
 
 
@@ -47,13 +48,15 @@ class MultiHeadAttention(nn.Module):
 
     config: ModelConfig
     self_attention: bool = True
+    layer: int = 0  # index in its stack: selects the layer's sparse pattern
+    causal: bool = False  # decoder self-attention: sparse patterns take their causal variant
 
     @nn.compact
     def __call__(
         self,
         inputs_q: Array,
         inputs_kv: Array | None = None,
-        mask: Array | None = None,
+        mask: Array | SegmentIds | None = None,
         *,
         deterministic: bool = True,
         decode: bool = False,
@@ -65,7 +68,8 @@ class MultiHeadAttention(nn.Module):
           inputs_kv: keys'/values' inputs for cross-attention; ignored for
             self-attention; ``None`` in cross-attention decode mode = use the cache.
           mask: boolean ``[b or 1, 1, q, k]`` (in self-attention decode mode,
-            ``k`` is the cache length; the causal cache mask is added here).
+            ``k`` is the cache length; the causal cache mask is added here), or
+            :class:`SegmentIds` for sparse self-attention (``config.attention_pattern``).
           deterministic: disable dropout.
           decode: use and update the 'cache' collection.
         Returns:
@@ -97,11 +101,44 @@ class MultiHeadAttention(nn.Module):
             module_name="score",
         )
 
+        patterns = None
+        if self.self_attention and c.sparse_attention:
+            patterns = sparse.layer_patterns(
+                c.attention_pattern,
+                self.layer,
+                h,
+                block_size=c.attention_block_size,
+                seed=c.attention_seed,
+                causal=self.causal,
+            )
+        if isinstance(mask, SegmentIds) and (patterns is None or decode):
+            mask = combine_masks(
+                mask.dense(), make_causal_mask(mask.ids.shape[1]) if self.causal else None
+            )
+
         query = project_query(inputs_q)
         if self.self_attention:
             key, value = project_key(inputs_q), project_value(inputs_q)
             if decode:
-                key, value, mask = self._self_attention_cache(key, value, mask)
+                key, value, mask = self._self_attention_cache(key, value, mask, patterns)
+            elif patterns is not None:
+                segments = mask.ids if isinstance(mask, SegmentIds) else None
+                if mask is not None and segments is None:
+                    raise ValueError(
+                        "sparse self-attention takes its mask as SegmentIds (token ids), "
+                        "not a dense [b, 1, q, k] array"
+                    )
+                x = sparse.multihead_sparse_attention(
+                    query,
+                    key,
+                    value,
+                    patterns,
+                    impl=c.attention_impl,
+                    block_size=c.attention_block_size,
+                    segments=segments,
+                    scale=1.0 if c.score_fn == "dot" else None,
+                )
+                return dense(c.d_model, (-2, -1), "out")(x)
         else:
             key, value = self._cross_attention_kv(inputs_kv, decode, project_key, project_value)
 
@@ -116,8 +153,11 @@ class MultiHeadAttention(nn.Module):
         return dense(c.d_model, (-2, -1), "out")(x)
 
     def _self_attention_cache(
-        self, key: Array, value: Array, mask: Array | None
+        self, key: Array, value: Array, mask: Array | None, patterns=None
     ) -> tuple[Array, Array, Array | None]:
+        window = None if patterns is None else sparse.sliding_window(patterns)
+        if window is not None and self.causal:
+            return self._sliding_window_cache(key, value, mask, patterns, window)
         creating = not self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -134,6 +174,50 @@ class MultiHeadAttention(nn.Module):
         q_pos = i + jnp.arange(steps)
         k_pos = jnp.arange(cache_len)
         cache_mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+        if patterns is not None:
+            cache_mask = cache_mask & self._pattern_mask(patterns, q_pos, k_pos, cache_len)
+        return cached_key.value, cached_value.value, combine_masks(mask, cache_mask)
+
+    def _pattern_mask(self, patterns, q_pos: Array, k_pos: Array, length: int) -> Array:
+        """``[1, h, q, k]``: each head group's pattern at these positions."""
+        groups = sparse.decode_mask(patterns, q_pos, k_pos, length)
+        return jnp.repeat(groups, self.config.num_heads // len(patterns), axis=1)
+
+    def _sliding_window_cache(
+        self, key: Array, value: Array, mask: Array | None, patterns, window: int
+    ) -> tuple[Array, Array, Array | None]:
+        """A ring buffer of the last ``window + 1`` keys/values (causal local patterns).
+
+        Memory is O(window), not O(length): slot ``i % size`` holds position
+        ``i``; ``cached_positions`` remembers which position each slot holds.
+        """
+        creating = not self.has_variable("cache", "cached_key")
+        b, t, h = key.shape[:3]
+        size = min(t, window + 1)
+        cached_key = self.variable(
+            "cache", "cached_key", jnp.zeros, (b, size, h, key.shape[-1]), key.dtype
+        )
+        cached_value = self.variable(
+            "cache", "cached_value", jnp.zeros, (b, size, h, value.shape[-1]), value.dtype
+        )
+        positions = self.variable("cache", "cached_positions", lambda: jnp.full((size,), -1))
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if creating:
+            return key, value, mask
+        if key.shape[1] != 1:
+            raise ValueError(
+                f"the sliding-window cache takes one token per decoding step, got {key.shape[1]}"
+            )
+        i = index.value
+        slot = i % cached_key.value.shape[1]
+        cached_key.value = lax.dynamic_update_slice(cached_key.value, key, (0, slot, 0, 0))
+        cached_value.value = lax.dynamic_update_slice(cached_value.value, value, (0, slot, 0, 0))
+        positions.value = positions.value.at[slot].set(i)
+        index.value = i + 1
+        q_pos = i + jnp.arange(1)
+        k_pos = positions.value
+        cache_mask = ((k_pos >= 0) & (k_pos[None, :] <= q_pos[:, None]))[None, None]
+        cache_mask = cache_mask & self._pattern_mask(patterns, q_pos, k_pos, i + 1)
         return cached_key.value, cached_value.value, combine_masks(mask, cache_mask)
 
     def _cross_attention_kv(

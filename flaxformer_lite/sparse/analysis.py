@@ -1,0 +1,112 @@
+"""Receptive fields of stacked sparse layers, and pictures of patterns.
+
+One attention layer lets output ``i`` read input ``j`` when the pattern allows
+``(i, j)``; the residual connection also carries ``i`` to itself. After ``L``
+layers, ``i`` can be reached from ``j`` iff there is a chain
+``j = j_0 -> j_1 -> ... -> j_L = i`` of allowed (or identity) steps, i.e.
+the boolean matrix power ``(A | I)^L``. This is what decides whether a
+sparse model can, in principle, use the whole context:
+
+* a band of half-width ``w`` reaches ``L w`` tokens after ``L`` layers;
+* a dilated-only pattern never leaves its residue class: it never covers all;
+* global tokens (Longformer, ETC, BigBird) connect everything in two layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from flaxformer_lite.sparse.patterns import Pattern
+
+
+def receptive_field(pattern: Pattern, length: int, num_layers: int) -> np.ndarray:
+    """``[num_layers, length, length]`` bool: ``out[l, i, j]`` = input ``j`` reaches
+    output ``i`` after ``l + 1`` layers (per-layer random draws via ``for_layer``)."""
+    eye = np.eye(length, dtype=bool)
+    reach = eye
+    out = np.zeros((num_layers, length, length), bool)
+    for layer in range(num_layers):
+        step = pattern.for_layer(layer).mask(length) | eye
+        # reach_new[i, j] = any_k step[i, k] & reach[k, j]
+        reach = (step.astype(np.int32) @ reach.astype(np.int32)) > 0
+        out[layer] = reach
+    return out
+
+
+def coverage(pattern: Pattern, length: int, num_layers: int) -> np.ndarray:
+    """Fraction of (output, input) pairs connected after each of ``num_layers`` layers."""
+    return receptive_field(pattern, length, num_layers).mean(axis=(1, 2))
+
+
+def layers_to_cover(pattern: Pattern, length: int, max_layers: int = 64) -> int | None:
+    """Fewest layers after which every output reaches every input (causal patterns:
+    every earlier input); None if ``max_layers`` do not suffice."""
+    eye = np.eye(length, dtype=bool)
+    target = np.tril(np.ones((length, length), bool)) if pattern.is_causal else ~np.zeros_like(eye)
+    reach = eye
+    for layer in range(max_layers):
+        step = pattern.for_layer(layer).mask(length) | eye
+        reach = (step.astype(np.int32) @ reach.astype(np.int32)) > 0
+        if (reach | ~target).all():
+            return layer + 1
+    return None
+
+
+def plot_pattern(pattern: Pattern, length: int, path: str | Path, title: str | None = None):
+    """PNG of the ``[length, length]`` attention matrix (black = attends)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mask = pattern.mask(length)
+    fig, ax = plt.subplots(figsize=(4, 4), dpi=100)
+    ax.imshow(mask, cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
+    ax.set_title(title or f"{_label(pattern)}  (density {mask.mean():.2f})", fontsize=8)
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_receptive_field(
+    pattern: Pattern,
+    length: int,
+    num_layers: int,
+    path: str | Path,
+    title: str | None = None,
+    query: int | None = None,
+):
+    """PNG: for one output position (default the middle), which inputs reach it
+    after 1..num_layers layers (rows = layers), with the coverage per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    field = receptive_field(pattern, length, num_layers)
+    i = length // 2 if query is None else query
+    rows = field[:, i, :]
+    cov = field.mean(axis=(1, 2))
+    fig, ax = plt.subplots(figsize=(6, 0.35 * num_layers + 1.2), dpi=100)
+    ax.imshow(rows, cmap="Blues", aspect="auto", interpolation="nearest", vmin=0, vmax=1)
+    ax.set_yticks(range(num_layers), [f"L{l + 1} ({c:.0%})" for l, c in enumerate(cov)], fontsize=7)
+    ax.set_xlabel(f"input position (output {i})")
+    ax.set_title(title or f"receptive field: {_label(pattern)}", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _label(pattern: Pattern) -> str:
+    text = repr(pattern)
+    return text if len(text) < 70 else text[:67] + "..."

@@ -1,0 +1,351 @@
+"""Sparse attention computed block-wise, without any ``n x n`` array.
+
+``sparse_attention(q, k, v, pattern)`` evaluates
+
+    out_i = sum_{j in S_i} softmax_j(q_i . k_j / sqrt(d)) v_j,   S_i = {j : pattern allows (i, j)}
+
+from the pattern's cover (:class:`~flaxformer_lite.sparse.patterns.Plans`). Each
+part of the cover yields a partial softmax (running max ``m``, sum ``l`` and
+unnormalised output ``o`` per query), and the parts are merged exactly like
+the blocks of an online softmax:
+
+* block part: query block ``a`` gathers the key/value blocks listed for it
+  (``[nb, S]`` table built in numpy from the block mask), scores
+  ``[nb, B, S*B]``: memory ``n * S * B``;
+* column part: every query against a fixed set of key positions (global keys,
+  Sparse Transformer summaries): ``n * g``;
+* stride part: the sequence regrouped by residue ``i % s`` so that "every
+  ``s``-th key" becomes a dense ``n/s x n/s`` block per residue: ``n^2 / s``
+  (the Sparse Transformer's ``n sqrt(n)`` at ``s = sqrt(n)``);
+* row part: global queries attend to all keys densely (``g * n``) and
+  overwrite their rows.
+
+A pair covered by two parts is counted once: the column part comes first, then
+the blocks, then the strides, and each later part masks the pairs an earlier
+one holds. Inside every part the exact rule ``pattern.allows(i, j)`` (and
+segment ids for padding/packing) masks the entries, so the result equals the
+dense masked reference for any pattern, union or intersection (tests compare
+values and gradients). Lengths that are not a multiple of the block size are
+padded and masked internally.
+
+Arrays follow the core: ``[batch, length, heads, head_dim]``. Segment ids
+``[batch, length]``: a query attends only keys of the same segment, and id 0
+marks padding (no query or key). Fully masked queries output zeros, like the
+dense core.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from flaxformer_lite.sparse.patterns import Pattern, Plans, num_blocks
+
+_NEG = -1e30  # stand-in for -inf in running maxima (keeps exp() finite)
+
+
+def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[nb, nb]`` bool -> (key-block indices ``[nb, S]``, valid ``[nb, S]``), S = max row sum."""
+    counts = block_mask.sum(axis=1)
+    slots = max(int(counts.max()) if counts.size else 0, 1)
+    table = np.zeros((block_mask.shape[0], slots), np.int32)
+    valid = np.zeros((block_mask.shape[0], slots), bool)
+    for a, row in enumerate(block_mask):
+        idx = np.flatnonzero(row)
+        table[a, : len(idx)] = idx
+        valid[a, : len(idx)] = True
+    return table, valid
+
+
+def _pad_to(x: Array, length: int, axis: int) -> Array:
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+class _Partial:
+    """Per-query partial softmax: max ``m`` [b,h,n], sum ``l`` [b,h,n], output ``o`` [b,h,n,v]."""
+
+    def __init__(self, m, l, o):
+        self.m, self.l, self.o = m, l, o
+
+
+def _softmax_part(scores: Array, mask: Array, values_fn) -> tuple[Array, Array, Array]:
+    """Masked partial softmax over the last axis; ``values_fn(p)`` contracts p with V."""
+    scores = jnp.where(mask, scores, _NEG)
+    m = lax.stop_gradient(jnp.max(scores, axis=-1))
+    p = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)
+    return m, p.sum(-1), values_fn(p)
+
+
+def _merge(parts: list[_Partial]) -> Array:
+    m = parts[0].m
+    for p in parts[1:]:
+        m = jnp.maximum(m, p.m)
+    l = 0.0
+    o = 0.0
+    for p in parts:
+        w = jnp.exp(p.m - m)
+        l = l + p.l * w
+        o = o + p.o * w[..., None]
+    return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
+def _segment_ok(seg_q: Array | None, seg_k: Array | None) -> Array | None:
+    if seg_q is None:
+        return None
+    return (seg_q == seg_k) & (seg_k != 0)
+
+
+def sparse_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    pattern: Pattern,
+    *,
+    block_size: int = 64,
+    q_segments: Array | None = None,
+    kv_segments: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """Blocked sparse self-attention; ``[b, n, h, d] x3 -> [b, n, h, dv]``.
+
+    Args:
+      query, key, value: self-attention inputs of one length ``n``.
+      pattern: which pairs may attend (a :class:`Pattern`).
+      block_size: kernel block ``B`` (any ``n`` works; it is padded to a multiple).
+      q_segments, kv_segments: ``[b, n]`` int segment ids (0 = padding), or None.
+      scale: logit scale; default ``1/sqrt(d)`` (the paper's scaled dot product).
+    """
+    b, n, h, d = query.shape
+    if key.shape[:3] != (b, n, h) or value.shape[:3] != (b, n, h):
+        raise ValueError(
+            f"sparse self-attention needs query/key/value of one length; got {query.shape}, "
+            f"{key.shape}, {value.shape}"
+        )
+    if (q_segments is None) != (kv_segments is None):
+        raise ValueError("give both q_segments and kv_segments, or neither")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    plans = pattern.plans(n, block_size)
+    out_dtype = query.dtype
+    compute = jnp.promote_types(query.dtype, jnp.float32)
+    q = jnp.swapaxes(query, 1, 2).astype(compute) * scale  # [b, h, n, d]
+    k = jnp.swapaxes(key, 1, 2).astype(compute)
+    v = jnp.swapaxes(value, 1, 2).astype(compute)
+
+    is_column = np.zeros(n, bool)
+    is_column[plans.columns] = True
+    parts: list[_Partial] = []
+    if plans.columns.size:
+        parts.append(_columns_part(q, k, v, pattern, plans.columns, n, q_segments, kv_segments))
+    if plans.block_mask is not None:
+        parts.append(
+            _blocks_part(q, k, v, pattern, plans, block_size, n, is_column, q_segments, kv_segments)
+        )
+    for index, stride in enumerate(plans.strides):
+        parts.append(
+            _stride_part(
+                q, k, v, pattern, plans, stride, plans.strides[:index], block_size, n,
+                is_column, q_segments, kv_segments,
+            )
+        )  # fmt: skip
+    if not parts:
+        out = jnp.zeros((b, h, n, value.shape[-1]), compute)
+    else:
+        out = _merge(parts)
+    if plans.rows.size:
+        out = out.at[:, :, plans.rows].set(
+            _rows_dense(q, k, v, pattern, plans.rows, n, q_segments, kv_segments)
+        )
+    return jnp.swapaxes(out, 1, 2).astype(out_dtype)
+
+
+def _columns_part(q, k, v, pattern, columns, n, seg_q, seg_k) -> _Partial:
+    cols = jnp.asarray(columns)
+    kc, vc = k[:, :, cols], v[:, :, cols]  # [b, h, g, d]
+    scores = jnp.einsum("bhnd,bhgd->bhng", q, kc)
+    mask = pattern.allows(jnp.arange(n)[:, None], cols[None, :], n)[None, None]
+    seg = _segment_ok(
+        None if seg_q is None else seg_q[:, :, None],
+        None if seg_k is None else seg_k[:, cols][:, None, :],
+    )
+    if seg is not None:
+        mask = mask & seg[:, None]
+    return _Partial(*_softmax_part(scores, mask, lambda p: jnp.einsum("bhng,bhgv->bhnv", p, vc)))
+
+
+def _blocks_part(q, k, v, pattern, plans: Plans, B, n, is_column, seg_q, seg_k) -> _Partial:
+    b, h, _, d = q.shape
+    nb = num_blocks(n, B)
+    npad = nb * B
+    table, valid = block_table(plans.block_mask)
+    S = table.shape[1]
+    qb = _pad_to(q, npad, 2).reshape(b, h, nb, B, d)
+    kb = _pad_to(k, npad, 2).reshape(b, h, nb, B, d)
+    vb = _pad_to(v, npad, 2).reshape(b, h, nb, B, v.shape[-1])
+    tbl = jnp.asarray(table)
+    kg = kb[:, :, tbl].reshape(b, h, nb, S * B, d)  # gather only the listed blocks
+    vg = vb[:, :, tbl].reshape(b, h, nb, S * B, v.shape[-1])
+    scores = jnp.einsum("bhxqd,bhxkd->bhxqk", qb, kg)  # [b, h, nb, B, S*B]
+    qi = jnp.arange(npad).reshape(nb, B)[:, :, None]
+    kj = (tbl[:, :, None] * B + jnp.arange(B)).reshape(nb, 1, S * B)
+    ok = jnp.repeat(jnp.asarray(valid), B, axis=1)[:, None, :]
+    mask = ok & (kj < n) & (qi < n) & pattern.allows(qi, kj, n)
+    if is_column.any():
+        mask = mask & ~jnp.asarray(is_column)[jnp.clip(kj, 0, n - 1)]
+    mask = mask[None, None]
+    if seg_q is not None:
+        sq = _pad_to(seg_q, npad, 1).reshape(b, nb, B)
+        sk = _pad_to(seg_k, npad, 1).reshape(b, nb, B)[:, tbl].reshape(b, nb, 1, S * B)
+        mask = mask & _segment_ok(sq[..., None], sk)[:, None]
+    m, l, o = _softmax_part(scores, mask, lambda p: jnp.einsum("bhxqk,bhxkv->bhxqv", p, vg))
+    return _Partial(
+        m.reshape(b, h, npad)[:, :, :n],
+        l.reshape(b, h, npad)[:, :, :n],
+        o.reshape(b, h, npad, -1)[:, :, :n],
+    )
+
+
+def _stride_part(
+    q, k, v, pattern, plans: Plans, s, earlier, B, n, is_column, seg_q, seg_k
+) -> _Partial:
+    b, h, _, d = q.shape
+    T = -(-n // s)
+    npad = T * s
+
+    def regroup(x):  # [b, h, n, e] -> [b, h, s, T, e]: row r holds positions r, r+s, ...
+        return jnp.swapaxes(_pad_to(x, npad, 2).reshape(b, h, T, s, x.shape[-1]), 2, 3)
+
+    qr, kr, vr = regroup(q), regroup(k), regroup(v)
+    scores = jnp.einsum("bhrtd,bhrud->bhrtu", qr, kr)  # [b, h, s, T, T]
+    pos = jnp.arange(T)[None, :] * s + jnp.arange(s)[:, None]  # [s, T]
+    i, j = pos[:, :, None], pos[:, None, :]
+    mask = (i < n) & (j < n) & pattern.allows(i, j, n)
+    jc = jnp.clip(j, 0, n - 1)
+    if is_column.any():
+        mask = mask & ~jnp.asarray(is_column)[jc]
+    if plans.block_mask is not None:
+        member = jnp.asarray(plans.block_mask)[jnp.clip(i, 0, n - 1) // B, jc // B]
+        mask = mask & ~member
+    for t in earlier:
+        mask = mask & ((i - j) % t != 0)
+    mask = mask[None, None]
+    if seg_q is not None:
+        sr = jnp.swapaxes(_pad_to(seg_q, npad, 1).reshape(b, T, s), 1, 2)  # [b, s, T]
+        kr_seg = jnp.swapaxes(_pad_to(seg_k, npad, 1).reshape(b, T, s), 1, 2)
+        mask = mask & _segment_ok(sr[..., None], kr_seg[:, :, None, :])[:, None]
+    m, l, o = _softmax_part(scores, mask, lambda p: jnp.einsum("bhrtu,bhrue->bhrte", p, vr))
+
+    def ungroup(x):  # [b, h, s, T, ...] -> [b, h, n, ...]
+        x = jnp.swapaxes(x, 2, 3)
+        return x.reshape(b, h, npad, *x.shape[4:])[:, :, :n]
+
+    return _Partial(ungroup(m), ungroup(l), ungroup(o))
+
+
+def _rows_dense(q, k, v, pattern, rows, n, seg_q, seg_k) -> Array:
+    r = jnp.asarray(rows)
+    scores = jnp.einsum("bhgd,bhnd->bhgn", q[:, :, r], k)
+    mask = pattern.allows(r[:, None], jnp.arange(n)[None, :], n)[None, None]
+    if seg_q is not None:
+        mask = mask & _segment_ok(seg_q[:, r][:, :, None], seg_k[:, None, :])[:, None]
+    m, l, o = _softmax_part(scores, mask, lambda p: jnp.einsum("bhgn,bhnv->bhgv", p, v))
+    return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
+# -- the reference ------------------------------------------------------------------------
+
+
+def reference_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    pattern: Pattern,
+    *,
+    q_segments: Array | None = None,
+    kv_segments: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """The same attention from the dense ``[n, n]`` mask and the dense core (tests, small n)."""
+    from flaxformer_lite.components.attention import dot_product_attention
+
+    n, d = query.shape[1], query.shape[-1]
+    mask = jnp.asarray(pattern.mask(n))[None, None]
+    if q_segments is not None:
+        mask = mask & _segment_ok(q_segments[:, :, None], kv_segments[:, None, :])[:, None]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return dot_product_attention(
+        query, key, value, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    )
+
+
+# -- dynamic sparsity: top-k ---------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "causal", "query_block"))
+def topk_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    top_k: int,
+    *,
+    causal: bool = False,
+    q_segments: Array | None = None,
+    kv_segments: Array | None = None,
+    query_block: int = 128,
+) -> Array:
+    """Each query attends to its ``top_k`` highest-scoring keys (the learned-pattern family).
+
+    Scores are computed one query block at a time (memory ``B * n``, time
+    ``n^2``); keys tied with the k-th score are kept. Gradients flow through
+    the kept scores.
+    """
+    b, n, h, d = query.shape
+    nb = num_blocks(n, query_block)
+    npad = nb * query_block
+    q = _pad_to(jnp.swapaxes(query, 1, 2), npad, 2).reshape(b, h, nb, query_block, d)
+    q = jnp.moveaxis(q, 2, 0) / math.sqrt(d)  # [nb, b, h, B, d]
+    k = jnp.swapaxes(key, 1, 2)
+    v = jnp.swapaxes(value, 1, 2)
+    sq = None if q_segments is None else _pad_to(q_segments, npad, 1).reshape(b, nb, query_block)
+    kk = min(top_k, n)
+
+    def one_block(args):
+        a, qa = args
+        scores = jnp.einsum("bhqd,bhkd->bhqk", qa, k)
+        i = a * query_block + jnp.arange(query_block)[:, None]
+        j = jnp.arange(n)[None, :]
+        mask = (j <= i) if causal else jnp.ones((query_block, n), bool)
+        mask = mask[None, None]
+        if sq is not None:
+            seg = _segment_ok(sq[:, a][:, :, None], kv_segments[:, None, :])
+            mask = mask & seg[:, None]
+        masked = jnp.where(mask, scores, -jnp.inf)
+        kth = lax.stop_gradient(lax.top_k(masked, kk)[0][..., -1:])
+        keep = mask & (masked >= kth)
+        m, l, o = _softmax_part(scores, keep, lambda p: jnp.einsum("bhqk,bhkv->bhqv", p, v))
+        return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+    out = lax.map(one_block, (jnp.arange(nb), q))  # [nb, b, h, B, v]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, npad, -1)[:, :, :n]
+    return jnp.swapaxes(out, 1, 2).astype(query.dtype)
+
+
+def topk_reference(query, key, value, top_k, *, causal=False):
+    """Dense top-k (``n x n`` scores) for tests."""
+    n, d = query.shape[1], query.shape[-1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) / math.sqrt(d)
+    mask = jnp.tril(jnp.ones((n, n), bool)) if causal else jnp.ones((n, n), bool)
+    masked = jnp.where(mask, scores, -jnp.inf)
+    kth = lax.top_k(masked, min(top_k, n))[0][..., -1:]
+    keep = mask & (masked >= kth)
+    w = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhv->bqhv", w, value)

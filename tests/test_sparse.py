@@ -1,0 +1,262 @@
+"""Sparse attention: blocked kernel == masked dense reference, causality, coverage, config."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.architectures.lm import LanguageModel
+from flaxformer_lite.architectures.transformer import Transformer, shift_right
+from flaxformer_lite.components import sparse
+from flaxformer_lite.components.attention import dot_product_attention
+from flaxformer_lite.components.masks import make_causal_mask
+from flaxformer_lite.config import ConfigError, ModelConfig
+from flaxformer_lite.sparse import analysis
+from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.blocked import (
+    reference_attention,
+    sparse_attention,
+    topk_attention,
+    topk_reference,
+)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+PATTERNS = {
+    "full": P.Full(),
+    "local": P.Local(5),
+    "dilated": P.Dilated(3, 4),
+    "strided": P.Strided(7),
+    "fixed": P.Fixed(8, 2),
+    "global": P.Global((0, 3, -1)),
+    "random": P.RandomBlocks(8, 2, seed=1),
+    "block_local": P.BlockLocal(8, 1),
+    "bigbird": P.bigbird(8, 3, 1, 2),
+    "sparse_strided": P.sparse_transformer_strided(6),
+    "longformer": P.longformer(4, (0,)),
+    "local|strided|global": P.Local(3) | P.Strided(5) | P.Global((2,)),
+    "local&dilated": P.Local(6) & P.Dilated(4, 2),
+    "global&local": P.Global((1,)) & P.Local(3),
+    "fixed|random": P.Fixed(4) | P.RandomBlocks(4, 1, seed=3),
+}
+
+
+def _qkv(rng, b, n, h, d):
+    return tuple(jnp.asarray(rng.normal(size=(b, n, h, d)), jnp.float32) for _ in range(3))
+
+
+def _segments(b, n):
+    s = np.ones((b, n), np.int32)
+    s[0, n // 2 :] = 2  # two packed examples in row 0
+    s[-1, n - 3 :] = 0  # padding at the end of the last row
+    return jnp.asarray(s)
+
+
+# Every pattern and causal variant at a length that is not a multiple of the block
+# (with packed segments and padding); a few at a multiple.
+CASES = [(name, causal, 37, 8) for name in PATTERNS for causal in (False, True)] + [
+    (name, causal, 32, 16)
+    for name in ("full", "bigbird", "sparse_strided", "local|strided|global")
+    for causal in (False, True)
+]
+
+
+@pytest.mark.parametrize("name,causal,n,block", CASES)
+def test_blocked_matches_reference_values_and_gradients(name, causal, n, block, rng):
+    pattern = PATTERNS[name].causal() if causal else PATTERNS[name]
+    q, k, v = _qkv(rng, 2, n, 2, 8)
+    seg = _segments(2, n) if n % block else None
+    kw = dict(q_segments=seg, kv_segments=seg)
+    weights = jnp.cos(jnp.arange(8.0))
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v) * weights).sum()
+
+    blocked = lambda q, k, v: sparse_attention(q, k, v, pattern, block_size=block, **kw)
+    ref = lambda q, k, v: reference_attention(q, k, v, pattern, **kw)
+    np.testing.assert_allclose(jax.jit(blocked)(q, k, v), ref(q, k, v), atol=2e-6, rtol=1e-5)
+    gb = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2)))(q, k, v)
+    gr = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    for a, r in zip(gb, gr, strict=True):
+        np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["local", "dilated", "strided", "fixed", "bigbird", "random"])
+def test_causal_variants_never_see_the_future(name, rng):
+    pattern = PATTERNS[name].causal()
+    n = 29
+    assert not np.triu(pattern.mask(n), 1).any()
+    q, k, v = _qkv(rng, 1, n, 2, 4)
+    t = 13
+    v2 = v.at[:, t + 1 :].add(100.0)
+    k2 = k.at[:, t + 1 :].add(-50.0)
+    a = sparse_attention(q, k, v, pattern, block_size=8)
+    b = sparse_attention(q, k2, v2, pattern, block_size=8)
+    np.testing.assert_allclose(a[:, : t + 1], b[:, : t + 1], atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_pattern_is_dense_attention(causal, rng):
+    q, k, v = _qkv(rng, 2, 45, 4, 8)
+    pattern = P.Full().causal() if causal else P.Full()
+    mask = make_causal_mask(45) if causal else None
+    dense = dot_product_attention(q, k, v, mask)
+    np.testing.assert_allclose(sparse_attention(q, k, v, pattern, block_size=16), dense, atol=2e-6)
+    # A union that happens to cover everything is dense too.
+    cover = P.Local(3) | P.BlockLocal(16, 2)
+    if causal:
+        cover = cover.causal()
+    assert cover.mask(45)[np.tril(np.ones((45, 45), bool)) if causal else slice(None)].all()
+    np.testing.assert_allclose(sparse_attention(q, k, v, cover, block_size=16), dense, atol=2e-6)
+
+
+def test_blocked_has_no_quadratic_array():
+    """The local kernel's jaxpr holds nothing of size n*n (n = 1024, block 32)."""
+    n, block = 1024, 32
+    q = jnp.zeros((1, n, 1, 8))
+    jaxpr = jax.make_jaxpr(
+        lambda q, k, v: sparse_attention(q, k, v, P.Local(16), block_size=block)
+    )(q, q, q)
+    sizes = [int(np.prod(v.aval.shape)) for eqn in jaxpr.eqns for v in eqn.outvars]
+    assert max(sizes) < n * n // 8, max(sizes)
+
+
+def test_random_pattern_reproducible_from_config():
+    a = P.RandomBlocks(8, 2, seed=5)
+    assert (a.mask(64) == P.RandomBlocks(8, 2, seed=5).mask(64)).all()
+    assert not (a.mask(64) == P.RandomBlocks(8, 2, seed=6).mask(64)).all()
+    # per layer: different draws, each reproducible
+    assert not (a.for_layer(1).mask(64) == a.mask(64)).all()
+    assert (a.for_layer(1).mask(64) == P.RandomBlocks(8, 2, seed=5, layer=1).mask(64)).all()
+    # a causal table for a longer sequence extends the shorter one (decoding == full pass)
+    c = a.causal()
+    assert (c.mask(96)[:64, :64] == c.mask(64)).all()
+    # from the config spec
+    one = sparse.layer_patterns("bigbird:block=8", 2, 4, block_size=64, seed=7, causal=False)
+    two = sparse.layer_patterns("bigbird:block=8", 2, 4, block_size=64, seed=7, causal=False)
+    assert (one[0].mask(80) == two[0].mask(80)).all()
+
+
+def test_receptive_field_claims():
+    n = 64
+    band = P.Local(2)
+    cov = analysis.coverage(band, n, 8)
+    assert (np.diff(cov) > 0).all()  # grows with every layer
+    field = analysis.receptive_field(band, n, 3)
+    assert field[2, 32].sum() == 2 * 3 * 2 + 1  # reach L*w each side
+    assert analysis.layers_to_cover(P.Dilated(4, 4), n, 32) is None  # never covers all
+    assert analysis.coverage(P.Dilated(4, 4), n, 32)[-1] <= 0.25 + 1e-9
+    assert analysis.layers_to_cover(P.etc(2, 1), n) == 2  # via the global token
+    assert analysis.layers_to_cover(P.bigbird(8, 3, 1, 1), n) <= 2
+    assert analysis.layers_to_cover(band, n) == 32  # output 63 reads input 0: 63 / 2 per layer
+
+
+def test_pictures(tmp_path):
+    a = analysis.plot_pattern(P.bigbird(8, 3, 1, 2), 64, tmp_path / "bigbird.png")
+    b = analysis.plot_receptive_field(P.Local(2), 64, 6, tmp_path / "rf.png")
+    for path in (a, b):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_topk_matches_dense_topk(rng):
+    q, k, v = _qkv(rng, 1, 50, 2, 8)
+    for causal in (False, True):
+        out = topk_attention(q, k, v, 6, causal=causal, query_block=16)
+        np.testing.assert_allclose(out, topk_reference(q, k, v, 6, causal=causal), atol=2e-6)
+    # k >= n is dense attention
+    np.testing.assert_allclose(
+        topk_attention(q, k, v, 64, query_block=16), dot_product_attention(q, k, v), atol=2e-6
+    )
+
+
+# -- the model --------------------------------------------------------------------------
+
+
+def _model_config(**kw):
+    base = dict(
+        vocab_size=50, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
+        num_decoder_layers=2, max_len=64, embedding_dropout=0.0, residual_dropout=0.0,
+    )  # fmt: skip
+    return ModelConfig(**{**base, **kw})
+
+
+def test_transformer_with_full_pattern_equals_dense(rng):
+    c = _model_config()
+    inp = jnp.asarray(rng.integers(3, 50, (2, 21))).at[1, 15:].set(0)
+    tgt = jnp.asarray(rng.integers(3, 50, (2, 19))).at[1, 12:].set(0)
+    params = Transformer(c).init(jax.random.key(0), inp, tgt)
+    dense = Transformer(c).apply(params, inp, tgt)
+    for spec in ("full;full", "local:window=2|full"):
+        sc = c.replace(attention_pattern=spec, attention_block_size=8)
+        out = Transformer(sc).apply(params, inp, tgt)
+        if spec.startswith("local"):
+            assert np.abs(out - dense).max() > 1e-3  # a real restriction changes the output
+        else:
+            np.testing.assert_allclose(out, dense, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "local:window=5",
+        "local:window=3;local:window=7",
+        "bigbird:block=4,window=3,global=1,random=2",
+        "sparse_strided:stride=4",
+        "dilated:window=2,dilation=3+global:first=2",
+    ],
+)
+def test_lm_cached_decoding_matches_full_forward(spec, rng):
+    c = _model_config(attention_pattern=spec, attention_block_size=4)
+    lm = LanguageModel(c)
+    toks = jnp.asarray(rng.integers(3, 50, (2, 17)))
+    params = lm.init(jax.random.key(1), toks)
+    full = lm.apply(params, toks)
+    ref = LanguageModel(c.replace(attention_impl="reference")).apply(params, toks)
+    np.testing.assert_allclose(full, ref, atol=1e-5)
+    inputs = shift_right(toks, c.bos_id)
+    cache = lm.init(jax.random.key(1), jnp.zeros((2, 17), jnp.int32), decode=True)["cache"]
+    step = jax.jit(
+        lambda cache, tok: lm.apply({**params, "cache": cache}, tok, decode=True, mutable=["cache"])
+    )
+    steps = []
+    for t in range(17):
+        logits, mut = step(cache, inputs[:, t : t + 1])
+        cache = mut["cache"]
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5)
+    key_cache = cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
+    if spec.startswith("local"):  # sliding window: O(window) memory
+        assert (
+            key_cache.shape[1] == max(int(w) for w in spec.replace(";", "=").split("=")[1::2]) + 1
+        )
+    else:
+        assert key_cache.shape[1] == 17
+
+
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("attention_pattern", "locl", "unknown sparse pattern 'locl'"),
+        ("attention_pattern", "local:width=3", "bad argument 'width=3'"),
+        ("attention_pattern", "local:window=x", "is not an integer"),
+        ("attention_pattern", "local:window=0", "window=0 must be a positive integer"),
+        ("attention_pattern", "local;local;local", "3 head groups"),
+        ("attention_pattern", "bigbird:window=2", "must be odd"),
+        ("attention_impl", "flash", "attention_impl"),
+        ("attention_block_size", 0, "attention_block_size=0"),
+    ],
+)
+def test_bad_sparse_config(field, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _model_config(**{field: value})
+
+
+def test_sparse_rejects_unsupported_combinations():
+    with pytest.raises(ConfigError, match="score_fn='additive'"):
+        _model_config(attention_pattern="local", score_fn="additive")
+    with pytest.raises(ConfigError, match="attention_dropout"):
+        _model_config(attention_pattern="local", attention_dropout=0.1)
