@@ -33,6 +33,7 @@ EXPERIMENT_SECTIONS = {
         "max_length": int,  # tokens per side (incl. EOS); also the packed row length
         "too_long": str,  # drop | truncate
         "pack": bool,
+        "stream": bool,  # lm only: read the split as one running text cut into max_length rows
         "tokenizer_max_sentences": int,
     },
     "train": {
@@ -120,6 +121,11 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(f"config.data.too_long={d.too_long!r}; choose drop or truncate")
     if d.task not in TASKS:
         raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
+    if d.stream and d.task != "lm":
+        raise ConfigError(
+            f"config.data.stream=True needs data.task='lm' (it is {d.task!r}): translation "
+            "pairs cannot be cut into running text"
+        )
     if d.task == "translation" and d.source_lang == d.target_lang:
         raise ConfigError(f"config.data.source_lang and target_lang are both {d.source_lang!r}")
     if d.max_length > model.max_len:
@@ -175,6 +181,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "max_length": 64,
             "too_long": "drop",
             "pack": True,
+            "stream": False,
             "tokenizer_max_sentences": 1_000_000,
         }
     )

@@ -71,8 +71,11 @@ class DingDeEn(tfds.core.GeneratorBasedBuilder):
 class BibleEnEs(tfds.core.GeneratorBasedBuilder):
     """King James Version aligned verse by verse with Reina-Valera 1909."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "KJV versification; whole books held out."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "KJV versification; whole books held out.",
+        "1.1.0": "Verses stay in reading order (no shuffling), for running-text LMs.",
+    }
     MANUAL_DOWNLOAD_INSTRUCTIONS = _INSTRUCTIONS
 
     def _info(self) -> tfds.core.DatasetInfo:
@@ -87,6 +90,7 @@ class BibleEnEs(tfds.core.GeneratorBasedBuilder):
                 }
             ),
             supervised_keys=("en", "es"),
+            disable_shuffling=True,  # reading order: data.stream LMs read it as running text
         )
 
     def _split_generators(self, dl_manager):

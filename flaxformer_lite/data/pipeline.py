@@ -123,6 +123,22 @@ def tokenize_pairs(
     return out, PipelineStats(len(out), long_dropped, truncated, empty)
 
 
+def stream_rows(
+    texts: Sequence[tuple[str, ...]], tokenizer: Tokenizer, max_length: int
+) -> tuple[list[dict[str, np.ndarray]], PipelineStats]:
+    """A language model's running text: the texts in order, each ending in EOS,
+    concatenated and cut into rows of ``max_length`` tokens (the last one may be
+    shorter). Nothing is dropped or truncated; attention spans text boundaries."""
+    kept = [text for (text,) in texts if text.strip()]
+    empty = len(texts) - len(kept)
+    ids = tokenizer.encode_batch(kept) if kept else []
+    if not ids:
+        return [], PipelineStats(0, 0, 0, empty)
+    stream = np.concatenate(ids).astype(np.int32)
+    rows = [{"targets": stream[i : i + max_length]} for i in range(0, len(stream), max_length)]
+    return rows, PipelineStats(len(rows), 0, 0, empty)
+
+
 def _pad_batch(examples: Sequence[dict[str, np.ndarray]], length: int) -> dict[str, np.ndarray]:
     batch = {}
     for key in examples[0]:

@@ -66,10 +66,16 @@ def prepare_data(config, workdir: Path) -> TranslationData:
             yield from train_pairs[i]
 
     tokenizer = load_or_train(workdir, sentences, config.model.vocab_size)
-    train, train_stats = pipeline.tokenize_pairs(train_pairs, tokenizer, d.max_length, d.too_long)
-    validation, eval_stats = pipeline.tokenize_pairs(
-        eval_pairs, tokenizer, d.max_length, "truncate"
-    )
+    if d.stream:  # one running text per split (in corpus order), cut into full rows
+        train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
+        validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
+    else:
+        train, train_stats = pipeline.tokenize_pairs(
+            train_pairs, tokenizer, d.max_length, d.too_long
+        )
+        validation, eval_stats = pipeline.tokenize_pairs(
+            eval_pairs, tokenizer, d.max_length, "truncate"
+        )
     return TranslationData(
         tokenizer, train, validation, {"train": train_stats, "validation": eval_stats}, eval_pairs
     )
@@ -138,11 +144,17 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             f"model.vocab_size={model_config.vocab_size}; use a new --workdir"
         )
     st = data.stats["train"]
-    print(
-        f"data: {st.examples} training pairs ({st.dropped_too_long} over {d.max_length} tokens "
-        f"dropped, {st.truncated} truncated, {st.dropped_empty} empty skipped), "
-        f"{len(data.validation)} validation pairs"
-    )
+    if d.stream:
+        print(
+            f"data: running text in {st.examples} training and {len(data.validation)} "
+            f"validation rows of {d.max_length} tokens ({st.dropped_empty} empty texts skipped)"
+        )
+    else:
+        print(
+            f"data: {st.examples} training pairs ({st.dropped_too_long} over {d.max_length} "
+            f"tokens dropped, {st.truncated} truncated, {st.dropped_empty} empty skipped), "
+            f"{len(data.validation)} validation pairs"
+        )
 
     model = build_model(model_config, d.task)
     tx, schedule = make_optimizer(config.optimizer, model_config, t.num_steps)

@@ -1,0 +1,206 @@
+"""Dense vs blocked sparse attention: time, peak memory and scaling from 1k to 64k tokens.
+
+  python benchmarks/attention.py [--max_len 65536] [--dense_max 8192] [--reps 3]
+
+B=1, 8 heads, head dim 64, float32, bidirectional. Three kernels:
+  dense   - the core's softmax(QK^T/sqrt(d))V with its n x n weights;
+  local   - blocked band, Local(window=128), kernel block 128 (3 key blocks per query block);
+  bigbird - blocked BigBird: block 64, 3 window blocks, 2 global blocks, 3 random blocks.
+
+Per length and kernel: forward and forward+backward wall time (median of --reps
+after a compile run) and XLA's peak buffer size of the compiled program
+(arguments + outputs + temporaries, from ``compiled.memory_analysis()``; the
+dense kernel is compiled but not run beyond --dense_max, where its estimate
+exceeds this machine's memory). Kernel efficiency = the blocked kernel's
+matmul FLOPs (QK^T and PV over the gathered blocks, x3 for fwd+bwd) per second
+over the 2048^2 fp32 matmul peak measured in this process just before.
+The scaling exponent is the least-squares slope of log time over log length.
+Writes benchmarks/results/attention.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flaxformer_lite.components.attention import dot_product_attention  # noqa: E402
+from flaxformer_lite.sparse import patterns as P  # noqa: E402
+from flaxformer_lite.sparse.blocked import block_table, sparse_attention  # noqa: E402
+from flaxformer_lite.training.flops import matmul_peak_flops  # noqa: E402
+
+HEADS, HEAD_DIM = 8, 64
+KERNELS = {
+    "dense": None,
+    "local": (P.Local(128), 128),
+    "bigbird": (P.bigbird(block_size=64, window_blocks=3, global_blocks=2, random_blocks=3), 64),
+}
+
+
+def kernel_fn(name):
+    if name == "dense":
+        return lambda q, k, v: dot_product_attention(q, k, v)
+    pattern, block = KERNELS[name]
+    return lambda q, k, v: sparse_attention(q, k, v, pattern, block_size=block)
+
+
+def kernel_flops(name: str, n: int) -> float:
+    """Matmul FLOPs of one forward pass (QK^T and PV), as the kernel computes them."""
+    d = HEAD_DIM
+    if name == "dense":
+        return 4.0 * HEADS * n * n * d
+    pattern, block = KERNELS[name]
+    plans = pattern.plans(n, block)
+    nb = -(-n // block)
+    pairs = 0.0
+    if plans.block_mask is not None:
+        pairs += nb * block * block_table(plans.block_mask)[0].shape[1] * block
+    pairs += n * plans.columns.size + plans.rows.size * n
+    return 4.0 * HEADS * pairs * d
+
+
+def compiled_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def run_one(name: str, n: int, reps: int, execute: bool) -> dict:
+    key = jax.random.key(n)
+    q, k, v = (jax.random.normal(kk, (1, n, HEADS, HEAD_DIM)) for kk in jax.random.split(key, 3))
+    f = kernel_fn(name)
+    fwd = jax.jit(f)
+    w = jnp.cos(jnp.arange(HEAD_DIM, dtype=jnp.float32))
+    fwdbwd = jax.jit(jax.grad(lambda q, k, v: (f(q, k, v) * w).sum(), argnums=(0, 1, 2)))
+    row = {"kernel": name, "length": n}
+    for label, fn in (("fwd", fwd), ("fwd_bwd", fwdbwd)):
+        compiled = fn.lower(q, k, v).compile()
+        row[f"{label}_bytes"] = compiled_bytes(compiled)
+        if not execute:
+            row[f"{label}_s"] = None
+            continue
+        jax.block_until_ready(compiled(q, k, v))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(compiled(q, k, v))
+            times.append(time.perf_counter() - t)
+        row[f"{label}_s"] = statistics.median(times)
+    return row
+
+
+def fit_exponent(rows: list[dict], kernel: str, key: str) -> float | None:
+    pts = [(r["length"], r[key]) for r in rows if r["kernel"] == kernel and r[key]]
+    if len(pts) < 2:
+        return None
+    x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min_len", type=int, default=1024)
+    parser.add_argument("--max_len", type=int, default=65536)
+    parser.add_argument("--dense_max", type=int, default=8192, help="longest dense run")
+    parser.add_argument("--dense_compile_max", type=int, default=16384)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+
+    rows = []
+    n = args.min_len
+    while n <= args.max_len:
+        peak = matmul_peak_flops()
+        for name in KERNELS:
+            if name == "dense" and n > args.dense_compile_max:
+                continue
+            row = run_one(name, n, args.reps, execute=name != "dense" or n <= args.dense_max)
+            row["peak_flops"] = peak
+            row["fwd_flops"] = kernel_flops(name, n)
+            if row["fwd_bwd_s"]:
+                row["efficiency"] = 3 * row["fwd_flops"] / row["fwd_bwd_s"] / peak
+                row["fwd_efficiency"] = row["fwd_flops"] / row["fwd_s"] / peak
+            rows.append(row)
+            print(
+                f"L={n:6d} {name:8s} fwd {_t(row['fwd_s'])} fwd+bwd {_t(row['fwd_bwd_s'])} "
+                f"peak mem {row['fwd_bwd_bytes'] / 2**20:9.1f} MiB"
+                + (f"  kernel {row['efficiency']:.0%} of peak" if row.get("efficiency") else ""),
+                flush=True,
+            )
+        n *= 2
+
+    summary = {}
+    for name in ("local", "bigbird"):
+        summary[f"{name}_exponent_fwd_bwd"] = fit_exponent(rows, name, "fwd_bwd_s")
+        summary[f"{name}_exponent_fwd"] = fit_exponent(rows, name, "fwd_s")
+    at = {(r["kernel"], r["length"]): r for r in rows}
+    ref_len = 8192 if ("dense", 8192) in at and at[("dense", 8192)]["fwd_bwd_s"] else None
+    if ref_len is None:
+        dense_runs = [r["length"] for r in rows if r["kernel"] == "dense" and r["fwd_bwd_s"]]
+        ref_len = max(dense_runs) if dense_runs else None
+    if ref_len:
+        d = at[("dense", ref_len)]
+        for name in ("local", "bigbird"):
+            s = at[(name, ref_len)]
+            summary[f"{name}_speedup_fwd_bwd_at_{ref_len}"] = d["fwd_bwd_s"] / s["fwd_bwd_s"]
+            summary[f"{name}_memory_ratio_at_{ref_len}"] = d["fwd_bwd_bytes"] / s["fwd_bwd_bytes"]
+    for name in ("local", "bigbird"):
+        eff = [r["efficiency"] for r in rows if r["kernel"] == name and r.get("efficiency")]
+        if eff:
+            summary[f"{name}_efficiency_median"] = statistics.median(eff)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    lines = [
+        "B=1, 8 heads, head dim 64, fp32; time = median wall seconds; memory = XLA peak "
+        "buffers of the fwd+bwd program; eff = kernel matmul FLOP/s over the same-process "
+        "2048^2 matmul peak",
+        "",
+        "| L | dense fwd | dense fwd+bwd | dense mem | local fwd | local fwd+bwd | local mem "
+        "| local eff | bigbird fwd | bigbird fwd+bwd | bigbird mem | bigbird eff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in sorted({r["length"] for r in rows}):
+        cells = [str(n)]
+        for name in KERNELS:
+            r = at.get((name, n))
+            if r is None:
+                cells += ["-", "-", "-"] + ([] if name == "dense" else ["-"])
+                continue
+            cells += [
+                _t(r["fwd_s"]).strip(),
+                _t(r["fwd_bwd_s"]).strip(),
+                f"{r['fwd_bwd_bytes'] / 2**20:.0f} MiB",
+            ]
+            if name != "dense":
+                cells.append(f"{r['efficiency']:.0%}" if r.get("efficiency") else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for k, v in summary.items():
+        lines.append(f"- {k}: {v:.3f}" if v is not None else f"- {k}: n/a")
+    text = "\n".join(lines)
+    (out / "attention.md").write_text(text + "\n")
+    print(text)
+
+
+def _t(seconds) -> str:
+    return f"{seconds:8.3f}s" if seconds else "  (n/r) "
+
+
+if __name__ == "__main__":
+    main()
