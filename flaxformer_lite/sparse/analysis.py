@@ -110,3 +110,40 @@ def plot_receptive_field(
 def _label(pattern: Pattern) -> str:
     text = repr(pattern)
     return text if len(text) < 70 else text[:67] + "..."
+
+
+def gallery(out_dir: str | Path, length: int = 256, num_layers: int = 6) -> list[Path]:
+    """The README's pictures: each catalogue pattern's matrix and some receptive fields."""
+    from flaxformer_lite.sparse import patterns as P
+
+    out = Path(out_dir)
+    shown = {
+        "local": (P.Local(16), "Local(window=16)"),
+        "dilated": (P.Dilated(8, 4), "Dilated(window=8, dilation=4)"),
+        "sparse_strided": (
+            P.sparse_transformer_strided(16).causal(),
+            "Sparse Transformer strided, causal (stride 16)",
+        ),
+        "fixed": (P.Fixed(32, 4).causal(), "Sparse Transformer fixed, causal (32, summary 4)"),
+        "longformer": (P.longformer(16, (0, 128)), "Longformer: window 16 + 2 global tokens"),
+        "bigbird": (P.bigbird(16, 3, 1, 2), "BigBird: block 16, 3 window, 1 global, 2 random"),
+    }
+    paths = []
+    for name, (pattern, title) in shown.items():
+        density = pattern.mask(length).mean()
+        paths.append(
+            plot_pattern(pattern, length, out / f"pattern_{name}.png", f"{title}: {density:.1%}")
+        )
+    for name in ("local", "dilated", "bigbird"):
+        pattern, title = shown[name]
+        paths.append(
+            plot_receptive_field(pattern, length, num_layers, out / f"receptive_{name}.png", title)
+        )
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    for p in gallery(sys.argv[1] if len(sys.argv) > 1 else "docs/sparse"):
+        print(p)
