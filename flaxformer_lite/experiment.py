@@ -27,7 +27,7 @@ EXPERIMENT_SECTIONS = {
         "source_lang": str,  # feature read as the source sentence
         "target_lang": str,  # feature read as the target sentence
         "data_dir": str,  # where TFDS datasets are written/read
-        "train_splits": str,  # comma-separated, e.g. "train,train_phrases"
+        "train_splits": str,  # comma-separated; split:N keeps a fixed subset of N examples
         "eval_split": str,
         "test_split": str,
         "max_length": int,  # tokens per side (incl. EOS); also the packed row length
@@ -65,6 +65,26 @@ EXPERIMENT_SECTIONS = {
 PARALLELISM = ("jit", "pmap")
 TASKS = ("translation", "lm")
 BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max"}
+
+
+def parse_train_splits(spec: str) -> list[tuple[str, int | None]]:
+    """``"train,train_phrases:20000"`` -> [("train", None), ("train_phrases", 20000)].
+
+    ``split:N`` keeps a fixed random subset of N examples (the same on every
+    machine and run), e.g. to mix a little of a large auxiliary split.
+    """
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, count = item.partition(":")
+        if count and not (count.isdigit() and int(count) > 0):
+            raise ConfigError(
+                f"config.data.train_splits={spec!r}: {item!r} needs a positive example count "
+                "after ':' (e.g. train_phrases:20000)"
+            )
+        out.append((name, int(count) if count else None))
+    if not out:
+        raise ConfigError("config.data.train_splits is empty; name at least one split")
+    return out
 
 
 def validate_experiment(config) -> ModelConfig:
@@ -121,6 +141,7 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(f"config.data.too_long={d.too_long!r}; choose drop or truncate")
     if d.task not in TASKS:
         raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
+    parse_train_splits(d.train_splits)
     if d.stream and d.task != "lm":
         raise ConfigError(
             f"config.data.stream=True needs data.task='lm' (it is {d.task!r}): translation "

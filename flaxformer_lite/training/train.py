@@ -21,7 +21,7 @@ from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.data import pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 from flaxformer_lite.evaluation import corpus_scores
-from flaxformer_lite.experiment import BEST_METRICS, validate_experiment
+from flaxformer_lite.experiment import BEST_METRICS, parse_train_splits, validate_experiment
 from flaxformer_lite.training import flops, losses
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import DataParallel
@@ -55,8 +55,12 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     # Translation reads (source, target) pairs; a language model reads the target text.
     features = (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
     train_pairs: list[tuple[str, ...]] = []
-    for split in filter(None, (s.strip() for s in d.train_splits.split(","))):
-        train_pairs += pipeline.load_texts(d.dataset, split, features, d.data_dir)
+    for name, limit in parse_train_splits(d.train_splits):
+        texts = pipeline.load_texts(d.dataset, name, features, d.data_dir)
+        if limit is not None and limit < len(texts):  # a fixed, seeded subset
+            keep = np.sort(np.random.default_rng(0).permutation(len(texts))[:limit])
+            texts = [texts[i] for i in keep]
+        train_pairs += texts
     eval_pairs = pipeline.load_texts(d.dataset, d.eval_split, features, d.data_dir)
 
     def sentences():
