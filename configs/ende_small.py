@@ -3,9 +3,9 @@
   python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=runs/ende_small
   python -m flaxformer_lite.main --config=configs/ende_small.py:debug --workdir=/tmp/dbg
 
-Sized to train on 2 CPU cores in about 10 minutes: 256 wide, 3+3 layers,
+Sized to train on 2 CPU cores in about 15 minutes: 256 wide, 3+3 layers,
 4 heads, d_ff 1024, an 8k joint sentencepiece vocabulary, packed rows of 64
-tokens. The paper's recipe otherwise: post-LN, sinusoids, tied embeddings,
+tokens, pre-LN. The paper's recipe otherwise: sinusoids, tied embeddings,
 Adam(0.9, 0.98, 1e-9) with the noam schedule, label smoothing 0.1.
 """
 
@@ -24,18 +24,21 @@ def get_config(arg: str | None = None):
         max_len=256,
         embedding_dropout=0.1,
         residual_dropout=0.1,
+        # Pre-LN trains faster at this budget and takes a 2x higher learning rate: at
+        # 300 steps it matches post-LN at ~420 (validation accuracy 0.275 vs 0.268 at 400).
+        ln_position="pre",
     )
     config = base_config(model)
     config.data.max_length = 64  # packed row length; 99% of sentences are < 35 pieces
     config.train.batch_size = 32  # rows of 64 tokens: ~2k target tokens a step
-    config.train.num_steps = 600  # ~4.6 epochs of the 18.7k training pairs
+    config.train.num_steps = 700  # ~5.4 epochs of the 18.7k training pairs, ~17 min here
     config.train.log_every = 20
     config.train.eval_every = 200
     config.train.checkpoint_every = 200
     config.train.eval_bleu_sentences = 128  # greedy BLEU on 128 validation sentences per eval
     config.optimizer.warmup_steps = 200  # a short run: the paper's 4000 would never finish warming
-    # noam multiplier: peak 0.5 * 256^-0.5 * 200^-0.5 = 2.2e-3 (a multiplier of 2 with warmup
-    # 300, peak 7.2e-3, stalled at loss ~6 in this post-LN model)
-    config.optimizer.learning_rate = 0.5
+    # noam multiplier: peak 1.0 * 256^-0.5 * 200^-0.5 = 4.4e-3 (post-LN needed 0.5: a
+    # multiplier of 2 with warmup 300, peak 7.2e-3, stalled it at loss ~6)
+    config.optimizer.learning_rate = 1.0
     config.optimizer.clip_grad_norm = 1.0
     return apply_variants(config, arg).lock()
