@@ -86,6 +86,11 @@ def _softmax_part(scores: Array, mask: Array, values_fn) -> tuple[Array, Array, 
     return m, p.sum(-1), values_fn(p)
 
 
+def _normalise(o: Array, l: Array) -> Array:
+    """``o / l`` per query; queries with nothing to attend (``l == 0``) output zeros."""
+    return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
 def _merge(parts: list[_Partial]) -> Array:
     m = parts[0].m
     for p in parts[1:]:
@@ -96,7 +101,7 @@ def _merge(parts: list[_Partial]) -> Array:
         w = jnp.exp(p.m - m)
         l = l + p.l * w
         o = o + p.o * w[..., None]
-    return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return _normalise(o, l)
 
 
 def _segment_ok(seg_q: Array | None, seg_k: Array | None) -> Array | None:
@@ -281,7 +286,7 @@ def _rows_dense(q, k, v, pattern, rows, n, seg_q, seg_k) -> Array:
     if seg_q is not None:
         mask = mask & _segment_ok(seg_q[:, r][:, :, None], seg_k[:, None, :])[:, None]
     m, l, o = _softmax_part(scores, mask, lambda p: jnp.einsum("bhgn,bhnv->bhgv", p, v))
-    return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return _normalise(o, l)
 
 
 # -- the reference ------------------------------------------------------------------------
@@ -355,7 +360,7 @@ def topk_attention(
         kth = lax.stop_gradient(lax.top_k(masked, kk)[0][..., -1:])
         keep = mask & (masked >= kth)
         m, l, o = _softmax_part(scores, keep, lambda p: jnp.einsum("bhqk,bhkv->bhqv", p, v))
-        return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        return _normalise(o, l)
 
     out = lax.map(one_block, (jnp.arange(nb), q))  # [nb, b, h, B, v]
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, npad, -1)[:, :, :n]
