@@ -9,7 +9,9 @@ within a minute, so only same-process, same-moment ratios mean anything).
 
 Configs: "tiny" = 256 wide, 3+3 layers, 4 heads, FFN 1024, vocab 8000, batch
 32x64, dropout 0.1 (ende_small); "base-like" = 512/2048/8 heads/6+6, same
-vocabulary and batch. Real-vs-synthetic: the tiny step fed by the real
+vocabulary and batch. Each runs with train.concurrent_splits = 2 (ende_small's
+setting: the batch's two halves are independent chains that XLA:CPU runs on
+both cores); tiny also with 1 for comparison. Real-vs-synthetic: the tiny step fed by the real
 pipeline (ding_de_en, packed, prefetching) against the same compiled step fed
 one in-memory synthetic batch, interleaved in blocks so drift cancels.
 Writes benchmarks/results/train_step.{json,md}.
@@ -42,6 +44,7 @@ from flaxformer_lite.training import flops, steps  # noqa: E402
 from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
 
 BATCH, LENGTH = 32, 64
+SPLITS = 2  # train.concurrent_splits of configs/ende_small.py
 OPTIMIZER = ml_collections.ConfigDict(
     dict(
         b1=0.9,
@@ -57,13 +60,18 @@ OPTIMIZER = ml_collections.ConfigDict(
 )
 
 
-def compiled_step(config: ModelConfig):
+def compiled_step(config: ModelConfig, splits: int = 1):
     model = Transformer(config)
     tx, schedule = make_optimizer(OPTIMIZER, config, 1000)
     state = create_train_state(model, tx, 0, LENGTH)
     fn = jax.jit(
         functools.partial(
-            steps.train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1
+            steps.train_step,
+            model=model,
+            tx=tx,
+            schedule=schedule,
+            label_smoothing=0.1,
+            concurrent_splits=splits,
         ),
         donate_argnums=(0,),
     )
@@ -82,13 +90,13 @@ def time_steps(fn, state, batches) -> tuple[list[float], object]:
     return times, state
 
 
-def measure(config: ModelConfig, label: str, n: int, rounds: int = 3) -> dict:
+def measure(config: ModelConfig, label: str, n: int, rounds: int = 3, splits: int = 1) -> dict:
     """Alternates matmul-peak measurements with blocks of steps; MFU per round, median.
 
     The peak of this machine drifts within seconds, so each block of steps is
     divided by the peak measured right before it.
     """
-    fn, state = compiled_step(config)
+    fn, state = compiled_step(config, splits)
     synthetic = pipeline.synthetic_batch(BATCH, LENGTH, config.vocab_size)
     _, state = time_steps(fn, state, [lambda: synthetic] * 2)  # compile + warm
     step_flops = flops.train_step_flops(config, BATCH, LENGTH, LENGTH)
@@ -104,6 +112,7 @@ def measure(config: ModelConfig, label: str, n: int, rounds: int = 3) -> dict:
     tokens = int((synthetic["targets"] != 0).sum())
     return {
         "config": label,
+        "concurrent_splits": splits,
         "step_s": step,
         "target_tokens_per_s": tokens / step,
         "model_tflops_per_s": step_flops / step / 1e12,
@@ -125,7 +134,7 @@ def real_vs_synthetic(n: int, data_dir: str) -> dict:
     )
     examples, _ = pipeline.tokenize_pairs(pairs, tokenizer, LENGTH)
     iterator = pipeline.train_iterator(examples, batch_size=BATCH, max_length=LENGTH, seed=0)
-    fn, state = compiled_step(TINY)
+    fn, state = compiled_step(TINY, SPLITS)
     synthetic = pipeline.synthetic_batch(BATCH, LENGTH, TINY.vocab_size)
     _, state = time_steps(fn, state, [lambda: synthetic] * 2)
     real_t, synth_t = [], []
@@ -154,9 +163,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
 
-    rows = [measure(TINY, "tiny", args.steps)]
+    rows = [
+        measure(TINY, "tiny", args.steps, splits=SPLITS),
+        measure(TINY, "tiny", args.steps, splits=1),
+    ]
     if not args.skip_base:
-        rows.append(measure(BASE_LIKE, "base-like", max(args.steps // 2, 3)))
+        rows.append(measure(BASE_LIKE, "base-like", max(args.steps // 2, 3), splits=SPLITS))
     result = {"device": jax.devices()[0].device_kind, "batch": [BATCH, LENGTH], "configs": rows}
     if not args.skip_real:
         result["real_vs_synthetic"] = real_vs_synthetic(args.steps * 2, args.data_dir)
@@ -170,12 +182,14 @@ def main() -> None:
         + ", ".join(f"{p * 1e3:.0f}" for r in rows for p in r["peaks_tflops"])
         + ")",
         "",
-        "| config | step (s) | target tokens/s | model TFLOP/s | MFU (rounds) |",
-        "|---|---|---|---|---|",
+        "| config | concurrent splits | step (s) | target tokens/s | model TFLOP/s "
+        "| MFU (rounds) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['config']} | {r['step_s']:.3f} | {r['target_tokens_per_s']:.0f} | "
+            f"| {r['config']} | {r['concurrent_splits']} | {r['step_s']:.3f} | "
+            f"{r['target_tokens_per_s']:.0f} | "
             f"{r['model_tflops_per_s']:.3f} | {r['mfu']:.2f} "
             f"({', '.join(f'{m:.2f}' for m in r['mfu_rounds'])}) |"
         )

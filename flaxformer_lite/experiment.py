@@ -160,6 +160,12 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(
             f"config.train.parallelism={t.parallelism!r}; choose one of {', '.join(PARALLELISM)}"
         )
+    splits = t.get("concurrent_splits", 1)  # absent from runs saved before it existed
+    if splits < 1 or t.batch_size % splits:
+        raise ConfigError(
+            f"config.train.concurrent_splits={splits} must be >= 1 and divide "
+            f"train.batch_size={t.batch_size} (per device)"
+        )
     if t.best_metric not in BEST_METRICS:
         raise ConfigError(
             f"config.train.best_metric={t.best_metric!r}; choose one of {', '.join(BEST_METRICS)}"
@@ -213,6 +219,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "num_steps": 100_000,
             "label_smoothing": 0.1,
             "parallelism": "jit",
+            "concurrent_splits": 1,
             "log_every": 50,
             "eval_every": 1000,
             "checkpoint_every": 1000,

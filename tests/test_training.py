@@ -88,10 +88,22 @@ def test_loss_normalised_by_real_tokens():
     assert float(m["perplexity"]) == pytest.approx(7.0, rel=1e-5)
 
 
+def test_accuracy_is_argmax_and_ties_count_as_wrong():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 6, 13)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 13, (3, 6)))
+    labels = labels.at[0, :3].set(jnp.argmax(logits[0, :3], -1))  # some certainly right
+    weights = jnp.ones((3, 6))
+    s = losses.sums(logits, labels, weights, 0.1)
+    assert float(s["correct"]) == float(jnp.sum(jnp.argmax(logits, -1) == labels)) >= 3
+    flat = losses.sums(jnp.zeros((1, 4, 7)), jnp.array([[1, 2, 3, 4]]), jnp.ones((1, 4)), 0.1)
+    assert float(flat["correct"]) == 0.0
+
+
 # Parallelism -----------------------------------------------------------------------
 
 
-def _tiny_setup():
+def _tiny_setup(batch_size=8):
     c = ModelConfig(
         vocab_size=60,
         d_model=32,
@@ -114,7 +126,7 @@ def _tiny_setup():
         }
         for i in range(64)
     ]
-    it = pipeline.train_iterator(exs, batch_size=8, max_length=16, seed=0, prefetch=0)
+    it = pipeline.train_iterator(exs, batch_size=batch_size, max_length=16, seed=0, prefetch=0)
     batches = [next(it) for _ in range(3)]
     step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1)
     return state, batches, step
@@ -153,6 +165,26 @@ def test_pmap_equals_jit_on_8_devices():
         np.testing.assert_allclose(x, flat_pmap[path], rtol=1e-4, atol=1e-5, err_msg=name)
         compared += 1
     assert compared > 20
+
+
+@pytest.mark.parametrize("kind", ["jit", "pmap"])
+def test_concurrent_splits_give_the_same_step(kind):
+    """Splitting the batch into independent chains changes nothing but the dropout draws."""
+    state, batches, step = _tiny_setup(batch_size=16)  # 2 rows per device
+    whole_metrics, whole_params = _run(kind, state, batches[:2], step)
+    state, _, _ = _tiny_setup(batch_size=16)
+    split = functools.partial(step.func, **step.keywords, concurrent_splits=2)
+    split_metrics, split_params = _run(kind, state, batches[:2], split)
+    for a, b in zip(whole_metrics, split_metrics, strict=True):
+        for key in ("loss", "nll", "accuracy", "tokens", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(whole_params)[0],
+        jax.tree.leaves(split_params),
+        strict=True,
+    ):
+        if not jax.tree_util.keystr(path).endswith("['key']['bias']"):  # see above
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
 def test_batch_must_divide_among_devices():
@@ -249,6 +281,10 @@ def test_config_errors_come_before_data(tmp_path):
     config = load_config()
     config.data.max_length = 1024
     with pytest.raises(ConfigError, match="exceeds model.max_len"):
+        validate_experiment(config)
+    config = load_config()
+    config.train.concurrent_splits = 3  # the debug batch has 8 rows
+    with pytest.raises(ConfigError, match="concurrent_splits=3 must be >= 1 and divide"):
         validate_experiment(config)
     bad = ml_collections.ConfigDict(load_config().to_dict())
     bad.train.extra = 1

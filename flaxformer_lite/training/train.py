@@ -135,6 +135,12 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     t, d = config.train, config.data
     par = DataParallel(t.parallelism)
     par.check_batch_size(t.batch_size)
+    per_device = t.batch_size // jax.local_device_count()
+    if par.kind == "pmap" and per_device % t.concurrent_splits:
+        raise TrainingError(
+            f"train.concurrent_splits={t.concurrent_splits} does not divide the {per_device} "
+            f"rows each device gets (train.batch_size={t.batch_size}); pick a divisor"
+        )
     if t.batch_size % jax.process_count():
         raise TrainingError(f"train.batch_size={t.batch_size} must divide among processes")
     is_chief = jax.process_index() == 0
@@ -194,6 +200,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         label_smoothing=t.label_smoothing,
         pad_id=model_config.pad_id,
         grad_accum_steps=config.optimizer.grad_accum_steps,
+        concurrent_splits=t.concurrent_splits,
     )
     p_eval = par.eval_step(
         eval_step, model=model, label_smoothing=t.label_smoothing, pad_id=model_config.pad_id
