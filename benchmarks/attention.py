@@ -2,10 +2,12 @@
 
   python benchmarks/attention.py [--max_len 65536] [--dense_max 8192] [--reps 3]
 
-B=1, 8 heads, head dim 64, float32, bidirectional. Three kernels:
+B=1, 8 heads, head dim 64, float32, bidirectional. Kernels:
   dense   - the core's softmax(QK^T/sqrt(d))V with its n x n weights;
   local   - blocked band, Local(window=128), kernel block 128 (3 key blocks per query block);
-  bigbird - blocked BigBird: block 64, 3 window blocks, 2 global blocks, 3 random blocks.
+  bigbird - blocked BigBird: block 64, 3 window blocks, 2 global blocks, 3 random blocks;
+  local_scan, bigbird_scan - the same with scan_blocks=16 (16 query blocks at a time
+            in a lax.map, recomputed in the backward pass: less memory, more time).
 
 Per length and kernel: forward and forward+backward wall time (median of --reps
 after a compile run) and XLA's peak buffer size of the compiled program
@@ -40,18 +42,22 @@ from flaxformer_lite.sparse.blocked import block_table, sparse_attention  # noqa
 from flaxformer_lite.training.flops import matmul_peak_flops  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
-KERNELS = {
+_BIGBIRD = P.bigbird(block_size=64, window_blocks=3, global_blocks=2, random_blocks=3)
+KERNELS = {  # name: (pattern, kernel block, scan_blocks)
     "dense": None,
-    "local": (P.Local(128), 128),
-    "bigbird": (P.bigbird(block_size=64, window_blocks=3, global_blocks=2, random_blocks=3), 64),
+    "local": (P.Local(128), 128, None),
+    "bigbird": (_BIGBIRD, 64, None),
+    "local_scan": (P.Local(128), 128, 16),
+    "bigbird_scan": (_BIGBIRD, 64, 16),
 }
+SPARSE = [name for name in KERNELS if name != "dense"]
 
 
 def kernel_fn(name):
     if name == "dense":
         return lambda q, k, v: dot_product_attention(q, k, v)
-    pattern, block = KERNELS[name]
-    return lambda q, k, v: sparse_attention(q, k, v, pattern, block_size=block)
+    pattern, block, scan = KERNELS[name]
+    return lambda q, k, v: sparse_attention(q, k, v, pattern, block_size=block, scan_blocks=scan)
 
 
 def kernel_flops(name: str, n: int) -> float:
@@ -59,7 +65,7 @@ def kernel_flops(name: str, n: int) -> float:
     d = HEAD_DIM
     if name == "dense":
         return 4.0 * HEADS * n * n * d
-    pattern, block = KERNELS[name]
+    pattern, block, _ = KERNELS[name]
     plans = pattern.plans(n, block)
     nb = -(-n // block)
     pairs = 0.0
@@ -144,7 +150,7 @@ def main() -> None:
         n *= 2
 
     summary = {}
-    for name in ("local", "bigbird"):
+    for name in SPARSE:
         summary[f"{name}_exponent_fwd_bwd"] = fit_exponent(rows, name, "fwd_bwd_s")
         summary[f"{name}_exponent_fwd"] = fit_exponent(rows, name, "fwd_s")
     at = {(r["kernel"], r["length"]): r for r in rows}
@@ -154,11 +160,11 @@ def main() -> None:
         ref_len = max(dense_runs) if dense_runs else None
     if ref_len:
         d = at[("dense", ref_len)]
-        for name in ("local", "bigbird"):
+        for name in SPARSE:
             s = at[(name, ref_len)]
             summary[f"{name}_speedup_fwd_bwd_at_{ref_len}"] = d["fwd_bwd_s"] / s["fwd_bwd_s"]
             summary[f"{name}_memory_ratio_at_{ref_len}"] = d["fwd_bwd_bytes"] / s["fwd_bwd_bytes"]
-    for name in ("local", "bigbird"):
+    for name in SPARSE:
         eff = [r["efficiency"] for r in rows if r["kernel"] == name and r.get("efficiency")]
         if eff:
             summary[f"{name}_efficiency_median"] = statistics.median(eff)
@@ -171,25 +177,27 @@ def main() -> None:
         "buffers of the fwd+bwd program; eff = kernel matmul FLOP/s over the same-process "
         "2048^2 matmul peak",
         "",
-        "| L | dense fwd | dense fwd+bwd | dense mem | local fwd | local fwd+bwd | local mem "
-        "| local eff | bigbird fwd | bigbird fwd+bwd | bigbird mem | bigbird eff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| L | kernel | fwd | fwd+bwd | fwd+bwd memory | vs dense: time | vs dense: memory "
+        "| kernel eff |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in sorted({r["length"] for r in rows}):
-        cells = [str(n)]
+        d = at.get(("dense", n))
         for name in KERNELS:
             r = at.get((name, n))
             if r is None:
-                cells += ["-", "-", "-"] + ([] if name == "dense" else ["-"])
                 continue
-            cells += [
-                _t(r["fwd_s"]).strip(),
-                _t(r["fwd_bwd_s"]).strip(),
-                f"{r['fwd_bwd_bytes'] / 2**20:.0f} MiB",
-            ]
-            if name != "dense":
-                cells.append(f"{r['efficiency']:.0%}" if r.get("efficiency") else "-")
-        lines.append("| " + " | ".join(cells) + " |")
+            speed = mem = "-"
+            if d is not None and name != "dense":
+                if d["fwd_bwd_s"] and r["fwd_bwd_s"]:
+                    speed = f"{d['fwd_bwd_s'] / r['fwd_bwd_s']:.1f}x"
+                mem = f"{d['fwd_bwd_bytes'] / r['fwd_bwd_bytes']:.1f}x"
+            lines.append(
+                f"| {n} | {name} | {_t(r['fwd_s']).strip()} | {_t(r['fwd_bwd_s']).strip()} | "
+                f"{r['fwd_bwd_bytes'] / 2**20:.0f} MiB | {speed} | {mem} | "
+                + (f"{r['efficiency']:.0%}" if r.get("efficiency") else "-")
+                + " |"
+            )
     lines.append("")
     for k, v in summary.items():
         lines.append(f"- {k}: {v:.3f}" if v is not None else f"- {k}: n/a")

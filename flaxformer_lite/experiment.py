@@ -42,6 +42,7 @@ EXPERIMENT_SECTIONS = {
         "num_steps": int,
         "label_smoothing": float,
         "parallelism": str,  # jit (sharded over a device mesh) | pmap
+        "concurrent_splits": int,  # >1: the batch as k independent chains (uses CPU cores)
         "log_every": int,
         "eval_every": int,
         "checkpoint_every": int,
@@ -160,7 +161,7 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(
             f"config.train.parallelism={t.parallelism!r}; choose one of {', '.join(PARALLELISM)}"
         )
-    splits = t.get("concurrent_splits", 1)  # absent from runs saved before it existed
+    splits = t.concurrent_splits
     if splits < 1 or t.batch_size % splits:
         raise ConfigError(
             f"config.train.concurrent_splits={splits} must be >= 1 and divide "

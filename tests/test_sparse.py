@@ -14,6 +14,7 @@ from flaxformer_lite.config import ConfigError, ModelConfig
 from flaxformer_lite.sparse import analysis
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.blocked import (
+    block_diagonals,
     reference_attention,
     sparse_attention,
     topk_attention,
@@ -83,6 +84,36 @@ def test_blocked_matches_reference_values_and_gradients(name, causal, n, block, 
     gr = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
     for a, r in zip(gb, gr, strict=True):
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["local", "bigbird", "random", "local|strided|global", "fixed"])
+@pytest.mark.parametrize("scan_blocks", [1, 2])
+def test_scanned_blocks_match_reference(name, scan_blocks, rng):
+    """The memory-saving mode (query blocks in a lax.map, recomputed in the backward
+    pass) gives the reference's values and gradients; 5 blocks do not divide by 2."""
+    pattern = PATTERNS[name].causal() if name == "fixed" else PATTERNS[name]
+    q, k, v = _qkv(rng, 2, 37, 2, 8)
+    seg = _segments(2, 37)
+    kw = dict(q_segments=seg, kv_segments=seg)
+    weights = jnp.cos(jnp.arange(8.0))
+    blocked = lambda q, k, v: sparse_attention(
+        q, k, v, pattern, block_size=8, scan_blocks=scan_blocks, **kw
+    )
+    ref = lambda q, k, v: reference_attention(q, k, v, pattern, **kw)
+    np.testing.assert_allclose(jax.jit(blocked)(q, k, v), ref(q, k, v), atol=2e-6, rtol=1e-5)
+    loss = lambda fn: lambda q, k, v: (fn(q, k, v) * weights).sum()
+    gb = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2)))(q, k, v)
+    gr = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    for a, r in zip(gb, gr, strict=True):
+        np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
+
+
+def test_block_diagonals_split_bands_from_random_blocks():
+    mask = np.eye(10, dtype=bool) | np.eye(10, k=1, dtype=bool) | np.eye(10, k=-1, dtype=bool)
+    mask[2, 7] = mask[9, 0] = True  # two "random" blocks
+    offsets, rest = block_diagonals(mask)
+    assert offsets == [-1, 0, 1]
+    assert sorted(zip(*np.nonzero(rest), strict=True)) == [(2, 7), (9, 0)]
 
 
 @pytest.mark.parametrize("name", ["local", "dilated", "strided", "fixed", "bigbird", "random"])
@@ -248,6 +279,7 @@ def test_lm_cached_decoding_matches_full_forward(spec, rng):
         ("attention_pattern", "bigbird:window=2", "must be odd"),
         ("attention_impl", "flash", "attention_impl"),
         ("attention_block_size", 0, "attention_block_size=0"),
+        ("attention_scan_blocks", -1, "attention_scan_blocks=-1 must be an integer >= 0"),
     ],
 )
 def test_bad_sparse_config(field, value, needle):

@@ -137,6 +137,7 @@ class MultiHeadAttention(nn.Module):
                     block_size=c.attention_block_size,
                     segments=segments,
                     scale=1.0 if c.score_fn == "dot" else None,
+                    scan_blocks=c.attention_scan_blocks or None,
                 )
                 return dense(c.d_model, (-2, -1), "out")(x)
         else:

@@ -1,11 +1,12 @@
 """Sparse attention for the model: pattern specs from the config, per layer and per head.
 
-The model config selects sparse self-attention with four fields::
+The model config selects sparse self-attention with five fields::
 
     --config.model.attention_pattern=bigbird           # or a spec, see below; "dense" = off
     --config.model.attention_impl=blocked              # blocked | reference (dense mask)
     --config.model.attention_block_size=64
     --config.model.attention_seed=0                    # random patterns
+    --config.model.attention_scan_blocks=16            # 0 = fastest; >0 = less memory
 
 The pattern applies to every self-attention: as written in the encoder, as its
 causal variant in the decoder and the decoder-only LM. Cross-attention stays
@@ -199,6 +200,7 @@ def multihead_sparse_attention(
     block_size: int = 64,
     segments: Array | None = None,
     scale: float | None = None,
+    scan_blocks: int | None = None,
 ) -> Array:
     """``[b, n, h, d]`` self-attention, head groups each under their own pattern."""
     h = query.shape[2]
@@ -211,7 +213,7 @@ def multihead_sparse_attention(
             outs.append(
                 sparse_attention(
                     q, k, v, pattern, block_size=block_size, q_segments=segments,
-                    kv_segments=segments, scale=scale,
+                    kv_segments=segments, scale=scale, scan_blocks=scan_blocks,
                 )
             )  # fmt: skip
         elif impl == "reference":

@@ -9,9 +9,10 @@ part of the cover yields a partial softmax (running max ``m``, sum ``l`` and
 unnormalised output ``o`` per query), and the parts are merged exactly like
 the blocks of an online softmax:
 
-* block part: query block ``a`` gathers the key/value blocks listed for it
+* block part: query block ``a`` reads the key/value blocks listed for it
   (``[nb, S]`` table built in numpy from the block mask), scores
-  ``[nb, B, S*B]``: memory ``n * S * B``;
+  ``[nb, B, S*B]``: memory ``n * S * B``. Full diagonals of the block mask
+  (bands) are read as shifted slices, the other blocks with a gather;
 * column part: every query against a fixed set of key positions (global keys,
   Sparse Transformer summaries): ``n * g``;
 * stride part: the sequence regrouped by residue ``i % s`` so that "every
@@ -121,6 +122,7 @@ def sparse_attention(
     kv_segments: Array | None = None,
     scale: float | None = None,
     heads_per_chunk: int | None = 2,
+    scan_blocks: int | None = None,
 ) -> Array:
     """Blocked sparse self-attention; ``[b, n, h, d] x3 -> [b, n, h, dv]``.
 
@@ -134,12 +136,17 @@ def sparse_attention(
         programs, which XLA:CPU runs concurrently (its ops otherwise run one
         core at a time): 4 chunks of 2 heads made fwd+bwd 1.3-1.5x faster on 2
         cores at 8k tokens. None = all heads at once. Values are identical.
+      scan_blocks: trade time for memory: compute the block part this many
+        query blocks at a time (``lax.map``) and recompute each group's scores
+        in the backward pass, so the gathered keys, scores and probabilities
+        of only one group are alive at once. None = all blocks together
+        (fastest). Values are identical.
     """
     b, n, h, d = query.shape
     if heads_per_chunk is not None and 0 < heads_per_chunk < h:
         kw = dict(
             block_size=block_size, q_segments=q_segments, kv_segments=kv_segments,
-            scale=scale, heads_per_chunk=None,
+            scale=scale, heads_per_chunk=None, scan_blocks=scan_blocks,
         )  # fmt: skip
         return jnp.concatenate(
             [
@@ -176,7 +183,10 @@ def sparse_attention(
         parts.append(_columns_part(q, k, v, pattern, plans.columns, n, q_segments, kv_segments))
     if plans.block_mask is not None:
         parts.append(
-            _blocks_part(q, k, v, pattern, plans, block_size, n, is_column, q_segments, kv_segments)
+            _blocks_part(
+                q, k, v, pattern, plans, block_size, n, is_column, q_segments, kv_segments,
+                scan_blocks,
+            )  # fmt: skip
         )
     for index, stride in enumerate(plans.strides):
         parts.append(
@@ -210,36 +220,137 @@ def _columns_part(q, k, v, pattern, columns, n, seg_q, seg_k) -> _Partial:
     return _Partial(*_softmax_part(scores, mask, lambda p: jnp.einsum("bhng,bhgv->bhnv", p, vc)))
 
 
-def _blocks_part(q, k, v, pattern, plans: Plans, B, n, is_column, seg_q, seg_k) -> _Partial:
+def block_diagonals(block_mask: np.ndarray, min_fill: float = 0.75) -> tuple[list[int], np.ndarray]:
+    """Split a block mask into full-enough diagonals and the rest.
+
+    Returns the offsets ``o`` whose diagonal (query block ``a`` -> key block
+    ``a + o``) holds at least ``min_fill * nb`` blocks, and the mask
+    of the blocks those diagonals leave. A band (local/sliding window, BigBird's
+    window) becomes a few diagonals, which the kernel reads as shifted slices of
+    the key blocks; only the rest (random blocks) needs a gather. Slices matter
+    on CPU: a gather's gradient is a scatter-add, which XLA:CPU runs serially.
+    """
+    nb = block_mask.shape[0]
+    offsets = []
+    for o in range(-(nb - 1), nb):
+        # A diagonal read as a slice costs nb blocks: worth it when most are used.
+        if np.diagonal(block_mask, offset=o).sum() >= min_fill * nb:
+            offsets.append(o)
+    rest = block_mask.copy()
+    rows = np.arange(nb)
+    for o in offsets:
+        inside = (rows + o >= 0) & (rows + o < nb)
+        rest[rows[inside], rows[inside] + o] = False
+    return offsets, rest
+
+
+def _block_cover(plans: Plans, nb: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The ``[nb, S]`` key-block table (and validity) of the block part.
+
+    The first ``len(offsets)`` columns are the full diagonals (``a + o``), the
+    rest the leftover blocks of :func:`block_diagonals`.
+    """
+    offsets, rest = block_diagonals(plans.block_mask)
+    tables, valids = [], []
+    if offsets:
+        rows = np.arange(nb)[:, None]
+        target = rows + np.asarray(offsets)[None, :]
+        clipped = np.clip(target, 0, nb - 1)
+        tables.append(clipped)
+        valids.append((target == clipped) & plans.block_mask[rows, clipped])
+    if rest.any():
+        table, valid = block_table(rest)
+        tables.append(table)
+        valids.append(valid)
+    return offsets, np.concatenate(tables, 1), np.concatenate(valids, 1)
+
+
+def _blocks_part(
+    q, k, v, pattern, plans: Plans, B, n, is_column, seg_q, seg_k, scan_blocks=None
+) -> _Partial:
     b, h, _, d = q.shape
+    dv = v.shape[-1]
     nb = num_blocks(n, B)
     npad = nb * B
-    table, valid = block_table(plans.block_mask)
-    S = table.shape[1]
     qb = _pad_to(q, npad, 2).reshape(b, h, nb, B, d)
     kb = _pad_to(k, npad, 2).reshape(b, h, nb, B, d)
-    vb = _pad_to(v, npad, 2).reshape(b, h, nb, B, v.shape[-1])
-    tbl = jnp.asarray(table)
-    kg = kb[:, :, tbl].reshape(b, h, nb, S * B, d)  # gather only the listed blocks
-    vg = vb[:, :, tbl].reshape(b, h, nb, S * B, v.shape[-1])
-    scores = jnp.einsum("bhxqd,bhxkd->bhxqk", qb, kg)  # [b, h, nb, B, S*B]
-    qi = jnp.arange(npad).reshape(nb, B)[:, :, None]
-    kj = (tbl[:, :, None] * B + jnp.arange(B)).reshape(nb, 1, S * B)
-    ok = jnp.repeat(jnp.asarray(valid), B, axis=1)[:, None, :]
-    mask = ok & (kj < n) & (qi < n) & pattern.allows(qi, kj, n)
-    if is_column.any():
-        mask = mask & ~jnp.asarray(is_column)[jnp.clip(kj, 0, n - 1)]
-    mask = mask[None, None]
+    vb = _pad_to(v, npad, 2).reshape(b, h, nb, B, dv)
+    offsets, table, valid = _block_cover(plans, nb)
+    S = table.shape[1]
+    sq = sk = None
     if seg_q is not None:
         sq = _pad_to(seg_q, npad, 1).reshape(b, nb, B)
-        sk = _pad_to(seg_k, npad, 1).reshape(b, nb, B)[:, tbl].reshape(b, nb, 1, S * B)
-        mask = mask & _segment_ok(sq[..., None], sk)[:, None]
-    m, l, o = _softmax_part(scores, mask, lambda p: jnp.einsum("bhxqk,bhxkv->bhxqv", p, vg))
+        sk = _pad_to(seg_k, npad, 1).reshape(b, nb, B)
+    column_mask = jnp.asarray(is_column) if is_column.any() else None
+
+    def rows_of(qb_g, rows, tbl, ok_blocks, kg, vg, sq_g):
+        """Partial softmax of query blocks ``rows`` against their table's key blocks."""
+        g = rows.shape[0]
+        kg = kg.reshape(b, h, g, S * B, d)
+        vg = vg.reshape(b, h, g, S * B, dv)
+        scores = jnp.einsum("bhxqd,bhxkd->bhxqk", qb_g, kg)  # [b, h, g, B, S*B]
+        qi = (rows[:, None] * B + jnp.arange(B))[:, :, None]
+        kj = (tbl[:, :, None] * B + jnp.arange(B)).reshape(g, 1, S * B)
+        ok = jnp.repeat(ok_blocks, B, axis=1)[:, None, :]
+        mask = ok & (kj < n) & (qi < n) & pattern.allows(qi, kj, n)
+        if column_mask is not None:
+            mask = mask & ~column_mask[jnp.clip(kj, 0, n - 1)]
+        mask = mask[None, None]
+        if sq_g is not None:
+            sk_g = sk[:, tbl].reshape(b, g, 1, S * B)
+            mask = mask & _segment_ok(sq_g[..., None], sk_g)[:, None]
+        return _softmax_part(scores, mask, lambda p: jnp.einsum("bhxqk,bhxkv->bhxqv", p, vg))
+
+    if scan_blocks is None or scan_blocks >= nb:
+        tbl = jnp.asarray(table)
+        kg, vg = _read_blocks(kb, tbl, offsets), _read_blocks(vb, tbl, offsets)
+        m, l, o = rows_of(qb, jnp.arange(nb), tbl, jnp.asarray(valid), kg, vg, sq)
+    else:
+        # Groups of `scan_blocks` query blocks, one after another (lax.map), each
+        # recomputed in the backward pass (jax.checkpoint): only one group's
+        # gathered keys, scores and probabilities are alive at a time.
+        groups = -(-nb // scan_blocks)
+        extra = groups * scan_blocks - nb
+
+        def grouped(x, axis):  # [.., nb, ..] -> [groups, .., scan_blocks, ..]
+            x = jnp.pad(x, [(0, extra if i == axis else 0) for i in range(x.ndim)])
+            shape = x.shape[:axis] + (groups, scan_blocks) + x.shape[axis + 1 :]
+            return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+        tbl = grouped(jnp.asarray(table), 0)
+        ok_blocks = grouped(jnp.asarray(valid), 0)
+        rows = grouped(jnp.arange(nb), 0)
+
+        @jax.checkpoint
+        def one_group(xs):
+            qb_g, rows_g, tbl_g, ok_g, sq_g = xs
+            kg, vg = kb[:, :, tbl_g], vb[:, :, tbl_g]
+            return rows_of(qb_g, rows_g, tbl_g, ok_g, kg, vg, sq_g)
+
+        xs = (grouped(qb, 2), rows, tbl, ok_blocks, None if sq is None else grouped(sq, 1))
+        m, l, o = lax.map(one_group, xs)
+        m = jnp.moveaxis(m, 0, 2).reshape(b, h, groups * scan_blocks * B)[:, :, :npad]
+        l = jnp.moveaxis(l, 0, 2).reshape(b, h, groups * scan_blocks * B)[:, :, :npad]
+        o = jnp.moveaxis(o, 0, 2).reshape(b, h, groups * scan_blocks * B, dv)[:, :, :npad]
     return _Partial(
         m.reshape(b, h, npad)[:, :, :n],
         l.reshape(b, h, npad)[:, :, :n],
         o.reshape(b, h, npad, -1)[:, :, :n],
     )
+
+
+def _read_blocks(xb: Array, tbl: Array, offsets: list[int]) -> Array:
+    """``xb[:, :, tbl]`` ([b, h, nb, S, B, e]); diagonal columns as shifted slices."""
+    nb = xb.shape[2]
+    parts = []
+    if offsets:
+        reach = max(abs(o) for o in offsets)
+        widths = [(0, 0), (0, 0), (reach, reach), (0, 0), (0, 0)]
+        xp = jnp.pad(xb, widths)
+        parts.append(jnp.stack([xp[:, :, reach + o : reach + o + nb] for o in offsets], 3))
+    if tbl.shape[1] > len(offsets):
+        parts.append(xb[:, :, tbl[:, len(offsets) :]])  # gather only the listed blocks
+    return jnp.concatenate(parts, 3) if len(parts) > 1 else parts[0]
 
 
 def _stride_part(

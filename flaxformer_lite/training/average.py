@@ -16,6 +16,8 @@ def load_run_config(workdir: str | Path) -> ml_collections.ConfigDict:
     values = ckpt_lib.read_config(workdir)
     if values is None:
         raise ckpt_lib.CheckpointError(f"{workdir} has no {ckpt_lib.CONFIG_FILE}: not a run folder")
+    # Fields added after a run was saved take their defaults.
+    values.get("train", {}).setdefault("concurrent_splits", 1)
     return ml_collections.ConfigDict(values)
 
 
