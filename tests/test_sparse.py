@@ -86,8 +86,9 @@ def test_blocked_matches_reference_values_and_gradients(name, causal, n, block, 
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["local", "bigbird", "random", "local|strided|global", "fixed"])
-@pytest.mark.parametrize("scan_blocks", [1, 2])
+@pytest.mark.parametrize(
+    "name,scan_blocks", [("bigbird", 2), ("local|strided|global", 2), ("fixed", 1)]
+)
 def test_scanned_blocks_match_reference(name, scan_blocks, rng):
     """The memory-saving mode (query blocks in a lax.map, recomputed in the backward
     pass) gives the reference's values and gradients; 5 blocks do not divide by 2."""
