@@ -31,7 +31,7 @@ def get_config(arg: str | None = None):
     config = base_config(model)
     config.data.max_length = 64  # packed row length; 99% of sentences are < 35 pieces
     config.train.batch_size = 32  # rows of 64 tokens: ~2k target tokens a step
-    # Two independent halves per step keep both CPU cores busy (MFU 0.52 -> 0.60 in
+    # Two independent halves per step keep both CPU cores busy (MFU 0.51 -> 0.56 in
     # benchmarks/train_step.py); the same gradient. Set 1 on a GPU/TPU.
     config.train.concurrent_splits = 2
     config.train.num_steps = 700  # ~5.4 epochs of the 18.7k training pairs, ~17 min here
