@@ -13,13 +13,8 @@ from flaxformer_lite.components.masks import make_causal_mask
 from flaxformer_lite.config import ConfigError, ModelConfig
 from flaxformer_lite.sparse import analysis
 from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.blocked import (
-    block_diagonals,
-    reference_attention,
-    sparse_attention,
-    topk_attention,
-    topk_reference,
-)
+from flaxformer_lite.sparse.blocked import block_diagonals, reference_attention, sparse_attention
+from flaxformer_lite.sparse.topk import topk_attention, topk_reference
 
 
 @pytest.fixture

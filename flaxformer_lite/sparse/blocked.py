@@ -37,7 +37,6 @@ dense core.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -184,7 +183,16 @@ def sparse_attention(
     if plans.block_mask is not None:
         parts.append(
             _blocks_part(
-                q, k, v, pattern, plans, block_size, n, is_column, q_segments, kv_segments,
+                q,
+                k,
+                v,
+                pattern,
+                plans,
+                block_size,
+                n,
+                is_column,
+                q_segments,
+                kv_segments,
                 scan_blocks,
             )  # fmt: skip
         )
@@ -328,10 +336,11 @@ def _blocks_part(
             return rows_of(qb_g, rows_g, tbl_g, ok_g, kg, vg, sq_g)
 
         xs = (grouped(qb, 2), rows, tbl, ok_blocks, None if sq is None else grouped(sq, 1))
-        m, l, o = lax.map(one_group, xs)
-        m = jnp.moveaxis(m, 0, 2).reshape(b, h, groups * scan_blocks * B)[:, :, :npad]
-        l = jnp.moveaxis(l, 0, 2).reshape(b, h, groups * scan_blocks * B)[:, :, :npad]
-        o = jnp.moveaxis(o, 0, 2).reshape(b, h, groups * scan_blocks * B, dv)[:, :, :npad]
+        # [groups, b, h, scan_blocks, B, ...] -> [b, h, npad, ...]
+        m, l, o = (
+            jnp.moveaxis(x, 0, 2).reshape(b, h, groups * scan_blocks * B, *x.shape[5:])[:, :, :npad]
+            for x in lax.map(one_group, xs)
+        )
     return _Partial(
         m.reshape(b, h, npad)[:, :, :n],
         l.reshape(b, h, npad)[:, :, :n],
@@ -424,67 +433,3 @@ def reference_attention(
     return dot_product_attention(
         query, key, value, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
     )
-
-
-# -- dynamic sparsity: top-k ---------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("top_k", "causal", "query_block"))
-def topk_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    top_k: int,
-    *,
-    causal: bool = False,
-    q_segments: Array | None = None,
-    kv_segments: Array | None = None,
-    query_block: int = 128,
-) -> Array:
-    """Each query attends to its ``top_k`` highest-scoring keys (the learned-pattern family).
-
-    Scores are computed one query block at a time (memory ``B * n``, time
-    ``n^2``); keys tied with the k-th score are kept. Gradients flow through
-    the kept scores.
-    """
-    b, n, h, d = query.shape
-    nb = num_blocks(n, query_block)
-    npad = nb * query_block
-    q = _pad_to(jnp.swapaxes(query, 1, 2), npad, 2).reshape(b, h, nb, query_block, d)
-    q = jnp.moveaxis(q, 2, 0) / math.sqrt(d)  # [nb, b, h, B, d]
-    k = jnp.swapaxes(key, 1, 2)
-    v = jnp.swapaxes(value, 1, 2)
-    sq = None if q_segments is None else _pad_to(q_segments, npad, 1).reshape(b, nb, query_block)
-    kk = min(top_k, n)
-
-    def one_block(args):
-        a, qa = args
-        scores = jnp.einsum("bhqd,bhkd->bhqk", qa, k)
-        i = a * query_block + jnp.arange(query_block)[:, None]
-        j = jnp.arange(n)[None, :]
-        mask = (j <= i) if causal else jnp.ones((query_block, n), bool)
-        mask = mask[None, None]
-        if sq is not None:
-            seg = _segment_ok(sq[:, a][:, :, None], kv_segments[:, None, :])
-            mask = mask & seg[:, None]
-        masked = jnp.where(mask, scores, -jnp.inf)
-        kth = lax.stop_gradient(lax.top_k(masked, kk)[0][..., -1:])
-        keep = mask & (masked >= kth)
-        m, l, o = _softmax_part(scores, keep, lambda p: jnp.einsum("bhqk,bhkv->bhqv", p, v))
-        return _normalise(o, l)
-
-    out = lax.map(one_block, (jnp.arange(nb), q))  # [nb, b, h, B, v]
-    out = jnp.moveaxis(out, 0, 2).reshape(b, h, npad, -1)[:, :, :n]
-    return jnp.swapaxes(out, 1, 2).astype(query.dtype)
-
-
-def topk_reference(query, key, value, top_k, *, causal=False):
-    """Dense top-k (``n x n`` scores) for tests."""
-    n, d = query.shape[1], query.shape[-1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((n, n), bool)) if causal else jnp.ones((n, n), bool)
-    masked = jnp.where(mask, scores, -jnp.inf)
-    kth = lax.top_k(masked, min(top_k, n))[0][..., -1:]
-    keep = mask & (masked >= kth)
-    w = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhv->bqhv", w, value)

@@ -1,0 +1,80 @@
+"""Dynamic sparse attention: each query keeps its ``top_k`` best-scoring keys.
+
+The learned-pattern family (keys chosen by score, not by position). Scores are
+computed one query block at a time, so memory is ``B * n`` while time stays
+``n^2``; the static patterns of :mod:`~flaxformer_lite.sparse.blocked` are the
+sub-quadratic ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+from flaxformer_lite.sparse.blocked import _normalise, _pad_to, _segment_ok, _softmax_part
+from flaxformer_lite.sparse.patterns import num_blocks
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "causal", "query_block"))
+def topk_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    top_k: int,
+    *,
+    causal: bool = False,
+    q_segments: Array | None = None,
+    kv_segments: Array | None = None,
+    query_block: int = 128,
+) -> Array:
+    """Each query attends to its ``top_k`` highest-scoring keys (the learned-pattern family).
+
+    Scores are computed one query block at a time (memory ``B * n``, time
+    ``n^2``); keys tied with the k-th score are kept. Gradients flow through
+    the kept scores.
+    """
+    b, n, h, d = query.shape
+    nb = num_blocks(n, query_block)
+    npad = nb * query_block
+    q = _pad_to(jnp.swapaxes(query, 1, 2), npad, 2).reshape(b, h, nb, query_block, d)
+    q = jnp.moveaxis(q, 2, 0) / math.sqrt(d)  # [nb, b, h, B, d]
+    k = jnp.swapaxes(key, 1, 2)
+    v = jnp.swapaxes(value, 1, 2)
+    sq = None if q_segments is None else _pad_to(q_segments, npad, 1).reshape(b, nb, query_block)
+    kk = min(top_k, n)
+
+    def one_block(args):
+        a, qa = args
+        scores = jnp.einsum("bhqd,bhkd->bhqk", qa, k)
+        i = a * query_block + jnp.arange(query_block)[:, None]
+        j = jnp.arange(n)[None, :]
+        mask = (j <= i) if causal else jnp.ones((query_block, n), bool)
+        mask = mask[None, None]
+        if sq is not None:
+            seg = _segment_ok(sq[:, a][:, :, None], kv_segments[:, None, :])
+            mask = mask & seg[:, None]
+        masked = jnp.where(mask, scores, -jnp.inf)
+        kth = lax.stop_gradient(lax.top_k(masked, kk)[0][..., -1:])
+        keep = mask & (masked >= kth)
+        m, l, o = _softmax_part(scores, keep, lambda p: jnp.einsum("bhqk,bhkv->bhqv", p, v))
+        return _normalise(o, l)
+
+    out = lax.map(one_block, (jnp.arange(nb), q))  # [nb, b, h, B, v]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, npad, -1)[:, :, :n]
+    return jnp.swapaxes(out, 1, 2).astype(query.dtype)
+
+
+def topk_reference(query, key, value, top_k, *, causal=False):
+    """Dense top-k (``n x n`` scores) for tests."""
+    n, d = query.shape[1], query.shape[-1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) / math.sqrt(d)
+    mask = jnp.tril(jnp.ones((n, n), bool)) if causal else jnp.ones((n, n), bool)
+    masked = jnp.where(mask, scores, -jnp.inf)
+    kth = lax.top_k(masked, min(top_k, n))[0][..., -1:]
+    keep = mask & (masked >= kth)
+    w = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhv->bqhv", w, value)
