@@ -22,8 +22,12 @@ def get_config(arg: str | None = None):
         num_encoder_layers=3,
         num_decoder_layers=3,
         max_len=256,
-        embedding_dropout=0.1,
-        residual_dropout=0.1,
+        # No dropout: ~15 minutes is ~5 epochs, the model still underfits (train and
+        # validation accuracy within 0.03 at 700 steps), and dropout 0.1 only slowed it:
+        # validation accuracy 0.300 vs 0.286 and nll 4.29 vs 4.36 at step 400. For runs
+        # past ~1,500 steps (it overfits after ~1,600) set both to 0.1-0.3.
+        embedding_dropout=0.0,
+        residual_dropout=0.0,
         # Pre-LN trains faster at this budget and takes a 2x higher learning rate: at
         # 300 steps it matches post-LN at ~420 (validation accuracy 0.275 vs 0.268 at 400).
         ln_position="pre",

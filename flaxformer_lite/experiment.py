@@ -65,7 +65,8 @@ EXPERIMENT_SECTIONS = {
 }
 PARALLELISM = ("jit", "pmap")
 TASKS = ("translation", "lm")
-BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max"}
+# "bleu": the greedy validation BLEU of train.eval_bleu_sentences sentences (translation).
+BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max", "bleu": "max"}
 
 
 def parse_train_splits(spec: str) -> list[tuple[str, int | None]]:
@@ -173,6 +174,14 @@ def validate_experiment(config) -> ModelConfig:
         )
     if t.eval_bleu_sentences < 0:
         raise ConfigError(f"config.train.eval_bleu_sentences={t.eval_bleu_sentences} must be >= 0")
+    bleu_ok = t.eval_bleu_sentences > 0 and config.data.task == "translation"
+    if t.best_metric == "bleu" and not bleu_ok:
+        raise ConfigError(
+            "config.train.best_metric='bleu' needs a translation task and "
+            f"config.train.eval_bleu_sentences > 0 (got task={config.data.task!r}, "
+            f"eval_bleu_sentences={t.eval_bleu_sentences}); set eval_bleu_sentences=128 or "
+            "choose best_metric=loss"
+        )
     if t.eval_batches < 0:
         raise ConfigError(f"config.train.eval_batches={t.eval_batches} must be >= 0 (0 = all)")
     for name in ("b1", "b2"):

@@ -287,6 +287,12 @@ def test_config_errors_come_before_data(tmp_path):
     config.train.concurrent_splits = 3  # the debug batch has 8 rows
     with pytest.raises(ConfigError, match="concurrent_splits=3 must be >= 1 and divide"):
         validate_experiment(config)
+    config = load_config()
+    config.train.best_metric = "bleu"
+    config.train.eval_bleu_sentences = 0
+    message = "best_metric='bleu' needs a translation task and .*eval_bleu_sentences > 0"
+    with pytest.raises(ConfigError, match=message):
+        validate_experiment(config)
     bad = ml_collections.ConfigDict(load_config().to_dict())
     bad.train.extra = 1
     with pytest.raises(ConfigError, match=r"unknown fields \['extra'\]"):

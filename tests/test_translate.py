@@ -26,6 +26,8 @@ def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
     config = debug_config(data_dir, num_steps=6)
     config.model.max_len = 32
+    config.train.eval_bleu_sentences = 8
+    config.train.best_metric = "bleu"  # the best checkpoint chosen by validation BLEU
     train_and_evaluate(config, workdir)
     return workdir, raw
 
