@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@touch $(STAMP)
 
 test: setup
-	$(TEST_ENV) $(BIN)/python -m pytest -q -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 test-slow: setup
 	$(TEST_ENV) $(BIN)/python -m pytest -q
