@@ -209,8 +209,8 @@ def fixture_data(tmp_path_factory):
 def debug_config(data_dir, **train):
     config = load_config()
     config.model.vocab_size = 100  # the fixture corpus supports ~108 pieces
-    # ende_small trains without dropout; keep it on here so that resume, pmap and
-    # the CLI runs still exercise the dropout keys.
+    # ende_small trains without dropout; keep it on here so that the resume and
+    # averaging tests still exercise the dropout keys.
     config.model.residual_dropout = 0.1
     config.model.embedding_dropout = 0.1
     config.data.data_dir = str(data_dir)
