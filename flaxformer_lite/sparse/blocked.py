@@ -47,6 +47,7 @@ from jax import Array, lax
 from flaxformer_lite.sparse.patterns import Pattern, Plans, num_blocks
 
 _NEG = -1e30  # stand-in for -inf in running maxima (keeps exp() finite)
+_FLOOR = -1e29  # least running max: exp(_NEG - _FLOOR) == 0
 
 
 def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -79,10 +80,15 @@ class _Partial:
 
 
 def _softmax_part(scores: Array, mask: Array, values_fn) -> tuple[Array, Array, Array]:
-    """Masked partial softmax over the last axis; ``values_fn(p)`` contracts p with V."""
+    """Masked partial softmax over the last axis; ``values_fn(p)`` contracts p with V.
+
+    Masked scores become ``_NEG`` and the running max is floored at ``_FLOOR``,
+    so ``exp(_NEG - m)`` is exactly 0 even in a fully masked row (whose ``l``
+    is then 0): one select instead of two, over the largest arrays of the kernel.
+    """
     scores = jnp.where(mask, scores, _NEG)
-    m = lax.stop_gradient(jnp.max(scores, axis=-1))
-    p = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)
+    m = lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1), _FLOOR))
+    p = jnp.exp(scores - m[..., None])
     return m, p.sum(-1), values_fn(p)
 
 
@@ -297,22 +303,24 @@ def _blocks_part(
         kg = kg.reshape(b, h, g, S * B, d)
         vg = vg.reshape(b, h, g, S * B, dv)
         scores = jnp.einsum("bhxqd,bhxkd->bhxqk", qb_g, kg)  # [b, h, g, B, S*B]
-        qi = (rows[:, None] * B + jnp.arange(B))[:, :, None]
-        kj = (tbl[:, :, None] * B + jnp.arange(B)).reshape(g, 1, S * B)
-        ok = jnp.repeat(ok_blocks, B, axis=1)[:, None, :]
+        # The pattern's part of the mask is static unless the groups are scanned:
+        # then it is a numpy constant (no index arithmetic in the compiled step).
+        xp = np if isinstance(rows, np.ndarray) else jnp
+        qi = (rows[:, None] * B + xp.arange(B))[:, :, None]
+        kj = (tbl[:, :, None] * B + xp.arange(B)).reshape(g, 1, S * B)
+        ok = xp.repeat(ok_blocks, B, axis=1)[:, None, :]
         mask = ok & (kj < n) & (qi < n) & pattern.allows(qi, kj, n)
         if column_mask is not None:
-            mask = mask & ~column_mask[jnp.clip(kj, 0, n - 1)]
-        mask = mask[None, None]
+            mask = mask & ~xp.asarray(is_column)[xp.clip(kj, 0, n - 1)]
+        mask = xp.asarray(mask)[None, None]
         if sq_g is not None:
             sk_g = sk[:, tbl].reshape(b, g, 1, S * B)
             mask = mask & _segment_ok(sq_g[..., None], sk_g)[:, None]
         return _softmax_part(scores, mask, lambda p: jnp.einsum("bhxqk,bhxkv->bhxqv", p, vg))
 
     if scan_blocks is None or scan_blocks >= nb:
-        tbl = jnp.asarray(table)
-        kg, vg = _read_blocks(kb, tbl, offsets), _read_blocks(vb, tbl, offsets)
-        m, l, o = rows_of(qb, jnp.arange(nb), tbl, jnp.asarray(valid), kg, vg, sq)
+        kg, vg = _read_blocks(kb, table, offsets), _read_blocks(vb, table, offsets)
+        m, l, o = rows_of(qb, np.arange(nb), table, valid, kg, vg, sq)
     else:
         # Groups of `scan_blocks` query blocks, one after another (lax.map), each
         # recomputed in the backward pass (jax.checkpoint): only one group's
