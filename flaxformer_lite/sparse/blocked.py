@@ -295,7 +295,7 @@ def _blocks_part(
     if seg_q is not None:
         sq = _pad_to(seg_q, npad, 1).reshape(b, nb, B)
         sk = _pad_to(seg_k, npad, 1).reshape(b, nb, B)
-    column_mask = jnp.asarray(is_column) if is_column.any() else None
+    has_columns = bool(is_column.any())
 
     def rows_of(qb_g, rows, tbl, ok_blocks, kg, vg, sq_g):
         """Partial softmax of query blocks ``rows`` against their table's key blocks."""
@@ -303,14 +303,14 @@ def _blocks_part(
         kg = kg.reshape(b, h, g, S * B, d)
         vg = vg.reshape(b, h, g, S * B, dv)
         scores = jnp.einsum("bhxqd,bhxkd->bhxqk", qb_g, kg)  # [b, h, g, B, S*B]
-        # The pattern's part of the mask is static unless the groups are scanned:
-        # then it is a numpy constant (no index arithmetic in the compiled step).
+        # Without scanning, rows and table are numpy and the pattern's part of the
+        # mask is a constant made once at trace time, not recomputed every step.
         xp = np if isinstance(rows, np.ndarray) else jnp
         qi = (rows[:, None] * B + xp.arange(B))[:, :, None]
         kj = (tbl[:, :, None] * B + xp.arange(B)).reshape(g, 1, S * B)
         ok = xp.repeat(ok_blocks, B, axis=1)[:, None, :]
         mask = ok & (kj < n) & (qi < n) & pattern.allows(qi, kj, n)
-        if column_mask is not None:
+        if has_columns:
             mask = mask & ~xp.asarray(is_column)[xp.clip(kj, 0, n - 1)]
         mask = xp.asarray(mask)[None, None]
         if sq_g is not None:
