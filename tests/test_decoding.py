@@ -157,9 +157,11 @@ def test_tiny_model_learns_to_copy_and_decodes_it_perfectly():
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, value
 
-    for _ in range(400):
+    # 400 steps (loss < 0.05) left one token in 32 sentences wrong on some CPUs: train
+    # on until the copy is reliable, so the test checks decoding, not luck.
+    for _ in range(800):
         params, opt, value = step(params, opt, batch(64))
-    assert float(value) < 0.05
+    assert float(value) < 0.01
     test = batch(32)
     for out in (
         decoding.sample(model, params, test, max_length=9, eos_id=1, bos_id=2),
