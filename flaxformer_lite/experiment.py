@@ -15,6 +15,8 @@ it, before any data is read.
 
 from __future__ import annotations
 
+import re
+
 import ml_collections
 
 from flaxformer_lite.config import ConfigError, ModelConfig, model_config_dict, model_config_from
@@ -28,6 +30,11 @@ EXPERIMENT_SECTIONS = {
         "target_lang": str,  # feature read as the target sentence
         "data_dir": str,  # where TFDS datasets are written/read
         "train_splits": str,  # comma-separated; split:N keeps a fixed subset of N examples
+        # Splits after the first are auxiliary (e.g. dictionary phrases): keep only pairs
+        # whose every word occurs >= aux_min_count times in the first split (0 = all) ...
+        "aux_min_count": int,
+        # ... and start their source with this tag (a reserved vocabulary symbol; "" = none)
+        "aux_tag": str,
         "eval_split": str,
         "test_split": str,
         "max_length": int,  # tokens per side (incl. EOS); also the packed row length
@@ -61,8 +68,27 @@ EXPERIMENT_SECTIONS = {
         "clip_grad_norm": float,  # 0 = off
         "grad_accum_steps": int,  # >1: optax.MultiSteps
         "weight_decay": float,  # 0 = Adam (paper); >0 = AdamW
+        # >0: keep a moving average of the parameters; evaluation, the best checkpoint
+        # and translation use it (e.g. 0.99 averages over the last ~100 updates)
+        "ema_decay": float,
     },
 }
+# Fields added after runs were saved: a saved config without them means these values.
+ADDED_FIELDS = {
+    "data": {"aux_min_count": 0, "aux_tag": ""},
+    "train": {"concurrent_splits": 1},
+    "optimizer": {"ema_decay": 0.0},
+}
+
+
+def with_added_fields(values: dict) -> dict:
+    """A saved run's config dict with the later-added fields at their defaults."""
+    for section, fields in ADDED_FIELDS.items():
+        for name, default in fields.items():
+            values.setdefault(section, {}).setdefault(name, default)
+    return values
+
+
 PARALLELISM = ("jit", "pmap")
 TASKS = ("translation", "lm")
 # "bleu": the greedy validation BLEU of train.eval_bleu_sentences sentences (translation).
@@ -144,6 +170,15 @@ def validate_experiment(config) -> ModelConfig:
     if d.task not in TASKS:
         raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
     parse_train_splits(d.train_splits)
+    if d.aux_min_count < 0:
+        raise ConfigError(
+            f"config.data.aux_min_count={d.aux_min_count} must be >= 0 (0 keeps every pair)"
+        )
+    if d.aux_tag and (d.task != "translation" or not re.fullmatch(r"<\w+>", d.aux_tag)):
+        raise ConfigError(
+            f"config.data.aux_tag={d.aux_tag!r} needs a translation task and the form <name> "
+            "(e.g. <dict>), one symbol with no spaces"
+        )
     if d.stream and d.task != "lm":
         raise ConfigError(
             f"config.data.stream=True needs data.task='lm' (it is {d.task!r}): translation "
@@ -191,6 +226,11 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(
             f"config.optimizer.schedule={o.schedule!r}; choose one of {', '.join(SCHEDULES)}"
         )
+    if not 0.0 <= o.ema_decay < 1.0:
+        raise ConfigError(
+            f"config.optimizer.ema_decay={o.ema_decay} must be in [0, 1) (0 = no average; "
+            "0.99-0.999 are usual)"
+        )
     if o.schedule == "noam" and o.warmup_steps <= 0:
         raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
     if o.warmup_steps < 0 or o.clip_grad_norm < 0 or o.weight_decay < 0:
@@ -213,6 +253,8 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "target_lang": "de",
             "data_dir": "data/tfds",
             "train_splits": "train",
+            "aux_min_count": 0,
+            "aux_tag": "",
             "eval_split": "validation",
             "test_split": "test",
             "max_length": 64,
@@ -250,6 +292,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "clip_grad_norm": 0.0,
             "grad_accum_steps": 1,
             "weight_decay": 0.0,
+            "ema_decay": 0.0,
         }
     )
     return config

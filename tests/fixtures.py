@@ -17,6 +17,7 @@ DING_LINES = [
     "das ist kaputt <kaput> :: it is broken /ib/",
     "no separator here",
     "zwei | Teile :: only one part",
+    "Satz {m} | Nummer {f} :: sentence | number",
 ]
 
 

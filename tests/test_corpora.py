@@ -11,7 +11,7 @@ from tests import fixtures
 
 def test_ding_cleaning_and_alignment(tmp_path):
     corpus = corpora.read_ding(fixtures.write_ding(tmp_path / "de-en"))
-    assert corpus.lines == 8
+    assert corpus.lines == 9
     assert corpus.skipped_malformed == 1 and corpus.skipped_misaligned == 1
     assert ("Wo ist der Bahnhof?", "Where is the station?") in corpus.sentences
     assert ("Komm her!", "Come here!") in corpus.phrases  # under 3 English words
@@ -21,6 +21,7 @@ def test_ding_cleaning_and_alignment(tmp_path):
     assert ("Aal", "eel") in corpus.phrases and ("Aale", "eels") in corpus.phrases
     assert ("Gebäude", "building") in corpus.phrases and ("Häuser", "houses") in corpus.phrases
     assert ("das ist kaputt", "it is broken") in corpus.phrases
+    assert ("Satz", "sentence") in corpus.phrases and ("Nummer", "number") in corpus.phrases
 
 
 def test_clean_ding_text():

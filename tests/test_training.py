@@ -11,19 +11,27 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.config import ConfigError, ModelConfig
 from flaxformer_lite.data import pipeline
+from flaxformer_lite.data.tokenizer import UNK_ID
 from flaxformer_lite.experiment import validate_experiment
 from flaxformer_lite.training import losses, schedules
 from flaxformer_lite.training.average import abstract_train_state, average_workdir
 from flaxformer_lite.training.parallel import DataParallel
-from flaxformer_lite.training.state import create_train_state, make_optimizer
+from flaxformer_lite.training.state import (
+    TrainState,
+    create_train_state,
+    evaluation_params,
+    make_optimizer,
+    params_ema,
+)
 from flaxformer_lite.training.steps import train_step
-from flaxformer_lite.training.train import TrainingError, train_and_evaluate
+from flaxformer_lite.training.train import TrainingError, prepare_data, train_and_evaluate
 from tests import fixtures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,6 +68,32 @@ def test_other_schedules():
     assert float(cos(100)) == pytest.approx(0.0, abs=1e-9)
     const = schedules.constant(5e-4, warmup_steps=4)
     assert float(const(2)) == pytest.approx(2.5e-4) and float(const(50)) == pytest.approx(5e-4)
+
+
+def test_params_ema_is_the_bias_corrected_average():
+    decay = 0.9
+    tx = optax.chain(optax.sgd(0.1), params_ema(decay))
+    params = {"w": jnp.array([1.0, -2.0])}
+    state = tx.init(params)
+    history = []
+    for i in range(6):
+        grads = {"w": jnp.array([0.5 + i, 1.0 - i])}
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(np.asarray(params["w"], np.float64))
+    # Zero-initialised EMA divided by (1 - decay^t), in float64.
+    m = np.zeros(2)
+    for p in history:
+        m = decay * m + (1 - decay) * p
+    want = m / (1 - decay ** len(history))
+    ema = state[1].ema["w"]
+    np.testing.assert_allclose(np.asarray(ema), want, rtol=1e-6)
+    fake = TrainState(jnp.zeros([], jnp.int32), params, state, jnp.zeros(2, jnp.uint32))
+    np.testing.assert_allclose(np.asarray(evaluation_params(fake)["w"]), want, rtol=1e-6)
+    plain = fake.replace(opt_state=optax.sgd(0.1).init(params))
+    assert evaluation_params(plain) is params
+    with pytest.raises(ValueError, match="decay 1.0 must be in"):
+        params_ema(1.0)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -247,6 +281,22 @@ def test_resume_is_exact(fixture_data, tmp_path):
     )
 
 
+def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=4, eval_every=4, checkpoint_every=4)
+    config.optimizer.ema_decay = 0.5
+    train_and_evaluate(config, tmp_path)
+    state, _ = ckpt_lib.Checkpoints(tmp_path).restore(abstract_train_state(config), 4)
+    ema = evaluation_params(state)
+    best, step = ckpt_lib.restore_params(tmp_path, state.params, kind="best")
+    assert step == 4
+    jax.tree.map(np.testing.assert_array_equal, best, ema)
+    differs = jax.tree.map(
+        lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), ema, state.params
+    )
+    assert any(jax.tree.leaves(differs))  # the average is not the last parameters
+
+
 def test_other_models_workdir_is_refused(fixture_data, tmp_path):
     _, data_dir = fixture_data
     train_and_evaluate(debug_config(data_dir, num_steps=2), tmp_path)
@@ -276,6 +326,43 @@ def test_unwritable_workdir(fixture_data, tmp_path):
         train_and_evaluate(debug_config(data_dir), blocker / "run")
 
 
+def test_auxiliary_split_filter_and_tag(fixture_data, tmp_path):
+    """Phrase pairs join training only when their words are the main split's, tagged."""
+    _, data_dir = fixture_data
+    config = debug_config(data_dir)
+    config.data.train_splits = "train,train_phrases"
+    config.data.aux_min_count = 1
+    config.data.aux_tag = "<dict>"
+    data = prepare_data(config, tmp_path)
+    tag = data.tokenizer.sp.piece_to_id("<dict>")
+    assert tag != UNK_ID
+    main = pipeline.load_texts("ding_de_en", "train", ("en", "de"), data_dir)
+    phrases = pipeline.load_texts("ding_de_en", "train_phrases", ("en", "de"), data_dir)
+    kept = pipeline.known_word_pairs(phrases, pipeline.word_counts(main), 1)
+    # The numbered fixture sentences know "sentence"/"Satz", not "eel"/"Aal".
+    assert ("sentence", "Satz") in kept and ("eel", "Aal") not in kept
+    assert 0 < len(kept) < len(phrases)
+    tagged = [ex for ex in data.train if tag in ex["inputs"]]
+    assert len(tagged) == len(kept)
+    assert len(data.train) == len(main) + len(kept)
+    for ex in tagged:
+        assert tag in ex["inputs"][:2] and tag not in ex["targets"]
+    # A run trained without the tag cannot silently resume with one.
+    config.data.aux_tag = ""
+    prepare_data(config, tmp_path / "untagged")
+    config.data.aux_tag = "<dict>"
+    with pytest.raises(ValueError, match="no piece for the tag '<dict>'"):
+        prepare_data(config, tmp_path / "untagged")
+
+
+def test_known_word_pairs():
+    main = [("The house is old.", "Das Haus ist alt."), ("A house.", "Ein Haus.")]
+    counts = pipeline.word_counts(main)
+    aux = [("house", "Haus"), ("the old house", "das alte Haus"), ("a", "ein"), ("...", "…")]
+    assert pipeline.known_word_pairs(aux, counts, 1) == [("house", "Haus"), ("a", "ein")]
+    assert pipeline.known_word_pairs(aux, counts, 2) == [("house", "Haus")]
+
+
 def test_config_errors_come_before_data(tmp_path):
     config = load_config()
     config.data.data_dir = str(tmp_path / "does-not-exist")
@@ -297,6 +384,16 @@ def test_config_errors_come_before_data(tmp_path):
     message = "best_metric='bleu' needs a translation task and .*eval_bleu_sentences > 0"
     with pytest.raises(ConfigError, match=message):
         validate_experiment(config)
+    for section, field, value, message in (
+        ("data", "aux_min_count", -1, "aux_min_count=-1 must be >= 0"),
+        ("optimizer", "ema_decay", 1.0, r"ema_decay=1.0 must be in \[0, 1\)"),
+        ("data", "aux_tag", "dict", "aux_tag='dict' needs a translation task and the form <name>"),
+        ("data", "aux_tag", "<two words>", "the form <name>"),
+    ):
+        config = load_config()
+        config[section][field] = value
+        with pytest.raises(ConfigError, match=message):
+            validate_experiment(config)
     bad = ml_collections.ConfigDict(load_config().to_dict())
     bad.train.extra = 1
     with pytest.raises(ConfigError, match=r"unknown fields \['extra'\]"):

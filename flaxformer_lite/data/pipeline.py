@@ -23,6 +23,8 @@ the same data order.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -89,6 +91,32 @@ def load_text_pairs(
 ) -> list[tuple[str, str]]:
     """(source, target) strings of one split."""
     return load_texts(dataset, split, (source_lang, target_lang), data_dir)
+
+
+_WORD = re.compile(r"\w+")
+
+
+def word_counts(texts: Sequence[tuple[str, ...]]) -> list[Counter]:
+    """Lower-cased word counts of each feature (source, target) of ``texts``."""
+    counts = [Counter() for _ in range(len(texts[0]))] if texts else []
+    for t in texts:
+        for c, text in zip(counts, t, strict=True):
+            c.update(w.lower() for w in _WORD.findall(text))
+    return counts
+
+
+def known_word_pairs(
+    texts: Sequence[tuple[str, ...]], counts: Sequence[Counter], min_count: int
+) -> list[tuple[str, ...]]:
+    """The pairs each of whose words occurs >= ``min_count`` times (per feature) in
+    ``counts``: of a large auxiliary set (dictionary phrases), the part about the
+    main corpus's vocabulary."""
+
+    def known(text: str, c: Counter) -> bool:
+        words = _WORD.findall(text)
+        return bool(words) and all(c[w.lower()] >= min_count for w in words)
+
+    return [t for t in texts if all(known(x, c) for x, c in zip(t, counts, strict=True))]
 
 
 def tokenize_pairs(

@@ -79,8 +79,12 @@ def train_tokenizer(
     character_coverage: float = 1.0,
     max_sentences: int = 2_000_000,
     seed_sentencepiece_size: int = 200_000,
+    user_symbols: tuple[str, ...] = (),
 ) -> Tokenizer:
-    """Train a unigram sentencepiece model on ``sentences`` and write it atomically to ``path``."""
+    """Train a unigram sentencepiece model on ``sentences`` and write it atomically to ``path``.
+
+    ``user_symbols`` (e.g. a data tag ``<dict>``) become single pieces wherever they occur.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
@@ -92,6 +96,7 @@ def train_tokenizer(
             character_coverage,
             max_sentences,
             seed_sentencepiece_size,
+            user_symbols,
         )
     except RuntimeError as e:
         raise ValueError(
@@ -105,7 +110,13 @@ def train_tokenizer(
 
 
 def _train(
-    sentences, buffer, vocab_size, character_coverage, max_sentences, seed_sentencepiece_size
+    sentences,
+    buffer,
+    vocab_size,
+    character_coverage,
+    max_sentences,
+    seed_sentencepiece_size,
+    user_symbols,
 ) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=sentences,
@@ -120,14 +131,24 @@ def _train(
         eos_id=EOS_ID,
         bos_id=BOS_ID,
         unk_id=UNK_ID,
+        user_defined_symbols=list(user_symbols),
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
 
 
-def load_or_train(workdir: str | Path, sentences_fn, vocab_size: int) -> Tokenizer:
+def load_or_train(
+    workdir: str | Path, sentences_fn, vocab_size: int, user_symbols: tuple[str, ...] = ()
+) -> Tokenizer:
     """The workdir's tokenizer, trained from ``sentences_fn()`` the first time."""
     path = Path(workdir) / MODEL_NAME
     if path.exists():
-        return Tokenizer.load(path)
-    return train_tokenizer(sentences_fn(), path, vocab_size)
+        tokenizer = Tokenizer.load(path)
+        for symbol in user_symbols:
+            if tokenizer.sp.piece_to_id(symbol) == UNK_ID:
+                raise ValueError(
+                    f"{path} has no piece for the tag {symbol!r}; it was trained without it. "
+                    "Use a new workdir (or delete the tokenizer to retrain it)"
+                )
+        return tokenizer
+    return train_tokenizer(sentences_fn(), path, vocab_size, user_symbols=tuple(user_symbols))

@@ -8,7 +8,7 @@ import jax
 import ml_collections
 
 from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.experiment import validate_experiment
+from flaxformer_lite.experiment import validate_experiment, with_added_fields
 from flaxformer_lite.training.state import build_model, create_train_state, make_optimizer
 
 
@@ -16,9 +16,7 @@ def load_run_config(workdir: str | Path) -> ml_collections.ConfigDict:
     values = ckpt_lib.read_config(workdir)
     if values is None:
         raise ckpt_lib.CheckpointError(f"{workdir} has no {ckpt_lib.CONFIG_FILE}: not a run folder")
-    # Fields added after a run was saved take their defaults.
-    values.get("train", {}).setdefault("concurrent_splits", 1)
-    return ml_collections.ConfigDict(values)
+    return ml_collections.ConfigDict(with_added_fields(values))
 
 
 def abstract_train_state(config):

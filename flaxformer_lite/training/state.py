@@ -8,7 +8,7 @@ same randomness as an uninterrupted one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -35,12 +35,56 @@ def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Modu
     return LanguageModel(model_config) if task == "lm" else Transformer(model_config)
 
 
+class ParamsEMAState(NamedTuple):
+    count: jax.Array  # updates averaged so far
+    ema: Any  # the bias-corrected moving average of the parameters (float32)
+
+
+def params_ema(decay: float) -> optax.GradientTransformation:
+    """An exponential moving average of the parameters, kept in the optimizer state.
+
+    Chained after the optimizer: the updates pass through unchanged, and the
+    state averages the parameters they produce. The average is bias-corrected
+    like Adam's moments (the same as starting from zeros and dividing by
+    ``1 - decay**t``), so it never leans on the initialisation: after one step it
+    is that step's parameters, later ``ema += (1 - decay) / (1 - decay**t) * (p - ema)``.
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"EMA decay {decay} must be in (0, 1)")
+
+    def init(params):
+        # A copy: a buffer shared with the parameters would be donated twice by the step.
+        ema = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
+        return ParamsEMAState(jnp.zeros([], jnp.int32), ema)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("params_ema needs the parameters: call tx.update(g, s, params)")
+        new = optax.apply_updates(params, updates)
+        t = (state.count + 1).astype(jnp.float32)
+        w = (1.0 - decay) / (1.0 - decay**t)
+        ema = jax.tree.map(lambda e, p: e + w * (p.astype(jnp.float32) - e), state.ema, new)
+        return updates, ParamsEMAState(state.count + 1, ema)
+
+    return optax.GradientTransformation(init, update)
+
+
+def evaluation_params(state: TrainState):
+    """The parameters to evaluate and translate with: the moving average when the
+    optimizer keeps one (``optimizer.ema_decay`` > 0), else the trained ones."""
+    for leaf in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ParamsEMAState)):
+        if isinstance(leaf, ParamsEMAState):
+            return jax.tree.map(lambda e, p: e.astype(p.dtype), leaf.ema, state.params)
+    return state.params
+
+
 def make_optimizer(opt, model: ModelConfig, total_steps: int):
     """(optax transformation, schedule) from an ``optimizer`` config section.
 
     Adam(b1, b2, eps) with the schedule (AdamW if ``weight_decay`` > 0),
-    optionally after global-norm clipping; ``grad_accum_steps`` > 1 wraps it
-    in ``optax.MultiSteps`` (the schedule then counts real updates).
+    optionally after global-norm clipping, then (``ema_decay`` > 0) the
+    parameters' moving average (:func:`params_ema`); ``grad_accum_steps`` > 1
+    wraps it in ``optax.MultiSteps`` (the schedule then counts real updates).
     """
     schedule = make_schedule(opt, model.d_model, total_steps // opt.grad_accum_steps)
     if opt.weight_decay > 0:
@@ -52,6 +96,8 @@ def make_optimizer(opt, model: ModelConfig, total_steps: int):
     tx = adam
     if opt.clip_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), adam)
+    if opt.get("ema_decay", 0.0) > 0:
+        tx = optax.chain(tx, params_ema(opt.ema_decay))
     if opt.grad_accum_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=opt.grad_accum_steps)
     return tx, schedule

@@ -21,7 +21,12 @@ from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.data import pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 from flaxformer_lite.evaluation import corpus_scores
-from flaxformer_lite.experiment import BEST_METRICS, parse_train_splits, validate_experiment
+from flaxformer_lite.experiment import (
+    BEST_METRICS,
+    parse_train_splits,
+    validate_experiment,
+    with_added_fields,
+)
 from flaxformer_lite.training import flops, losses
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import DataParallel
@@ -29,6 +34,7 @@ from flaxformer_lite.training.state import (
     TrainState,
     build_model,
     create_train_state,
+    evaluation_params,
     make_optimizer,
     parameter_count,
 )
@@ -55,11 +61,23 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     # Translation reads (source, target) pairs; a language model reads the target text.
     features = (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
     train_pairs: list[tuple[str, ...]] = []
-    for name, limit in parse_train_splits(d.train_splits):
+    counts = None  # word counts of the first split, per feature (for aux_min_count)
+    for i, (name, limit) in enumerate(parse_train_splits(d.train_splits)):
         texts = pipeline.load_texts(d.dataset, name, features, d.data_dir)
+        if i == 0:
+            counts = pipeline.word_counts(texts) if d.aux_min_count else None
+        elif counts is not None:
+            before = len(texts)
+            texts = pipeline.known_word_pairs(texts, counts, d.aux_min_count)
+            print(
+                f"{name}: kept {len(texts)} of {before} pairs whose words all occur >= "
+                f"{d.aux_min_count}x in {parse_train_splits(d.train_splits)[0][0]}"
+            )
         if limit is not None and limit < len(texts):  # a fixed, seeded subset
             keep = np.sort(np.random.default_rng(0).permutation(len(texts))[:limit])
             texts = [texts[i] for i in keep]
+        if i > 0 and d.aux_tag:  # the source says where the pair comes from
+            texts = [(f"{d.aux_tag} {t[0]}", *t[1:]) for t in texts]
         train_pairs += texts
     eval_pairs = pipeline.load_texts(d.dataset, d.eval_split, features, d.data_dir)
 
@@ -69,7 +87,8 @@ def prepare_data(config, workdir: Path) -> TranslationData:
         for i in order:
             yield from train_pairs[i]
 
-    tokenizer = load_or_train(workdir, sentences, config.model.vocab_size)
+    tags = (d.aux_tag,) if d.aux_tag else ()
+    tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
     if d.stream:  # one running text per split (in corpus order), cut into full rows
         train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
         validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
@@ -99,6 +118,7 @@ def _check_workdir(config, workdir: Path) -> None:
     previous = ckpt_lib.read_config(workdir)
     if previous is None:
         return
+    previous = with_added_fields(previous)
     current = json.loads(config.to_json())
     for section in ("model", "data"):
         old, new = previous.get(section, {}), current.get(section, {})
@@ -115,7 +135,7 @@ def _check_workdir(config, workdir: Path) -> None:
 
 def _evaluate(p_eval, par: DataParallel, state, batches) -> dict[str, float]:
     total = None
-    params = state.params
+    params = evaluation_params(state)
     for batch in batches:
         s = p_eval(params, par.put_batch(batch))
         s = par.unreplicate(s)
@@ -236,8 +256,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
                     logger.progress(step, m)
                 window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
             if step % t.eval_every == 0 or last:
-                final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
-                bleu = _validation_bleu(config, model, par.params_of(state), data)
+                host_state = par.unreplicate(state)
+                final = _evaluate(p_eval, par, host_state, eval_batches)
+                bleu = _validation_bleu(config, model, evaluation_params(host_state), data)
                 if bleu is not None:
                     final["bleu"] = bleu
                 logger.write(step, final, prefix="validation")
@@ -250,7 +271,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
                         else ""
                     )
                 )
-                checkpoints.save_best(step, par.unreplicate(state), final[t.best_metric])
+                # The best checkpoint holds the parameters just evaluated (the EMA, if any).
+                evaluated = host_state.replace(params=evaluation_params(host_state))
+                checkpoints.save_best(step, evaluated, final[t.best_metric])
             if step % t.checkpoint_every == 0 or last:
                 m = par.metrics_to_host(metrics)
                 _check_finite(m, step, checkpoints, t.log_every)
