@@ -57,6 +57,10 @@ EXPERIMENT_SECTIONS = {
         "best_metric": str,  # validation metric that selects the best checkpoint
         "eval_batches": int,  # 0 = the whole validation split
         "eval_bleu_sentences": int,  # greedy BLEU on this many validation sentences; 0 = off
+        # random | ppmi: start the token embeddings from PPMI-SVD co-occurrence vectors of
+        # the pairs of embedding_init_splits ("" = data.train_splits); see data/cooccurrence.py
+        "embedding_init": str,
+        "embedding_init_splits": str,
     },
     "optimizer": {
         "b1": float,
@@ -76,7 +80,7 @@ EXPERIMENT_SECTIONS = {
 # Fields added after runs were saved: a saved config without them means these values.
 ADDED_FIELDS = {
     "data": {"aux_min_count": 0, "aux_tag": ""},
-    "train": {"concurrent_splits": 1},
+    "train": {"concurrent_splits": 1, "embedding_init": "random", "embedding_init_splits": ""},
     "optimizer": {"ema_decay": 0.0},
 }
 
@@ -90,6 +94,7 @@ def with_added_fields(values: dict) -> dict:
 
 
 PARALLELISM = ("jit", "pmap")
+EMBEDDING_INITS = ("random", "ppmi")
 TASKS = ("translation", "lm")
 # "bleu": the greedy validation BLEU of train.eval_bleu_sentences sentences (translation).
 BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max", "bleu": "max"}
@@ -217,6 +222,13 @@ def validate_experiment(config) -> ModelConfig:
             f"eval_bleu_sentences={t.eval_bleu_sentences}); set eval_bleu_sentences=128 or "
             "choose best_metric=loss"
         )
+    if t.embedding_init not in EMBEDDING_INITS:
+        raise ConfigError(
+            f"config.train.embedding_init={t.embedding_init!r}; choose one of "
+            f"{', '.join(EMBEDDING_INITS)}"
+        )
+    if t.embedding_init_splits:
+        parse_train_splits(t.embedding_init_splits)
     if t.eval_batches < 0:
         raise ConfigError(f"config.train.eval_batches={t.eval_batches} must be >= 0 (0 = all)")
     for name in ("b1", "b2"):
@@ -279,6 +291,8 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "best_metric": "loss",
             "eval_batches": 0,
             "eval_bleu_sentences": 0,
+            "embedding_init": "random",
+            "embedding_init_splits": "",
         }
     )
     config.optimizer = ml_collections.ConfigDict(

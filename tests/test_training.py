@@ -17,7 +17,7 @@ import pytest
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.config import ConfigError, ModelConfig
-from flaxformer_lite.data import pipeline
+from flaxformer_lite.data import cooccurrence, pipeline
 from flaxformer_lite.data.tokenizer import UNK_ID
 from flaxformer_lite.experiment import validate_experiment
 from flaxformer_lite.training import losses, schedules
@@ -31,7 +31,12 @@ from flaxformer_lite.training.state import (
     params_ema,
 )
 from flaxformer_lite.training.steps import train_step
-from flaxformer_lite.training.train import TrainingError, prepare_data, train_and_evaluate
+from flaxformer_lite.training.train import (
+    TrainingError,
+    _ppmi_embedding_params,
+    prepare_data,
+    train_and_evaluate,
+)
 from tests import fixtures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -295,6 +300,35 @@ def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
         lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), ema, state.params
     )
     assert any(jax.tree.leaves(differs))  # the average is not the last parameters
+
+
+def test_ppmi_embedding_init(fixture_data, tmp_path, capsys):
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=2, eval_every=2, checkpoint_every=2)
+    config.train.embedding_init = "ppmi"
+    config.train.embedding_init_splits = "train,train_phrases"
+    data = prepare_data(config, tmp_path / "prep")
+    state = create_train_state(
+        Transformer(validate_experiment(config)), optax.sgd(0.1), 0, config.data.max_length
+    )
+    params = _ppmi_embedding_params(config, data.tokenizer, state.params)
+    table = np.asarray(params["shared_embedding"]["embedding"])
+    assert not np.allclose(table, state.params["shared_embedding"]["embedding"])
+    np.testing.assert_allclose(np.linalg.norm(table, axis=1), 1.0, rtol=1e-5)
+    # Everything else is the seed's initialisation.
+    rest = {k: v for k, v in params.items() if k != "shared_embedding"}
+    jax.tree.map(np.testing.assert_array_equal, rest, {k: state.params[k] for k in rest})
+    # The table is the PPMI vectors of both splits' pairs, source and target pieces together.
+    sp = data.tokenizer.sp
+    documents = [
+        np.array(sp.encode(en) + sp.encode(de))
+        for split in ("train", "train_phrases")
+        for en, de in pipeline.load_texts("ding_de_en", split, ("en", "de"), data_dir)
+    ]
+    want, _ = cooccurrence.ppmi_svd_embeddings(documents, 100, 32, seed=config.train.seed)
+    np.testing.assert_allclose(table, want, atol=1e-5)
+    train_and_evaluate(config, tmp_path / "run")
+    assert "embeddings: PPMI-SVD vectors for" in capsys.readouterr().out
 
 
 def test_other_models_workdir_is_refused(fixture_data, tmp_path):

@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.data import pipeline
+from flaxformer_lite.data import cooccurrence, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 from flaxformer_lite.evaluation import corpus_scores
 from flaxformer_lite.experiment import (
@@ -205,6 +206,8 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     checkpoints = ckpt_lib.Checkpoints(
         workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
     )
+    if checkpoints.latest_step() is None and t.embedding_init == "ppmi":
+        state = state.replace(params=_ppmi_embedding_params(config, data.tokenizer, state.params))
     if checkpoints.latest_step() is not None:
         state, data_state = checkpoints.restore(state)
         if "iterator" in data_state:
@@ -294,6 +297,38 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         f"perplexity {final['perplexity']:.2f}; checkpoints in {workdir}"
     )
     return final
+
+
+def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
+    """``params`` with every ``[vocab, d_model]`` embedding table replaced by PPMI-SVD
+    co-occurrence vectors of the pairs of ``train.embedding_init_splits``."""
+    d, t = config.data, config.train
+    started = time.perf_counter()
+    features = (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
+    documents = []
+    for name, limit in parse_train_splits(t.embedding_init_splits or d.train_splits):
+        texts = pipeline.load_texts(d.dataset, name, features, d.data_dir)
+        if limit is not None and limit < len(texts):
+            keep = np.sort(np.random.default_rng(0).permutation(len(texts))[:limit])
+            texts = [texts[i] for i in keep]
+        pieces = [tokenizer.sp.encode(list(column)) for column in zip(*texts, strict=True)]
+        documents += [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
+    vocab, dim = config.model.vocab_size, config.model.d_model
+    table, covered = cooccurrence.ppmi_svd_embeddings(documents, vocab, dim, seed=t.seed)
+    replaced = []
+
+    def replace(path, leaf):
+        if getattr(path[-1], "key", None) == "embedding" and leaf.shape == (vocab, dim):
+            replaced.append(jax.tree_util.keystr(path))
+            return jnp.asarray(table, leaf.dtype)
+        return leaf
+
+    params = jax.tree_util.tree_map_with_path(replace, params)
+    print(
+        f"embeddings: PPMI-SVD vectors for {covered} of {vocab} pieces from {len(documents)} "
+        f"pairs in {time.perf_counter() - started:.0f} s ({', '.join(replaced) or 'no table'})"
+    )
+    return params
 
 
 def _validation_bleu(config, model, params, data: TranslationData) -> float | None:
