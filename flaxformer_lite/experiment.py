@@ -75,13 +75,15 @@ EXPERIMENT_SECTIONS = {
         # >0: keep a moving average of the parameters; evaluation, the best checkpoint
         # and translation use it (e.g. 0.99 averages over the last ~100 updates)
         "ema_decay": float,
+        # the token embeddings learn at this multiple of the learning rate (1 = the same)
+        "embedding_lr_scale": float,
     },
 }
 # Fields added after runs were saved: a saved config without them means these values.
 ADDED_FIELDS = {
     "data": {"aux_min_count": 0, "aux_tag": ""},
     "train": {"concurrent_splits": 1, "embedding_init": "random", "embedding_init_splits": ""},
-    "optimizer": {"ema_decay": 0.0},
+    "optimizer": {"ema_decay": 0.0, "embedding_lr_scale": 1.0},
 }
 
 
@@ -238,6 +240,11 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(
             f"config.optimizer.schedule={o.schedule!r}; choose one of {', '.join(SCHEDULES)}"
         )
+    if o.embedding_lr_scale < 0:
+        raise ConfigError(
+            f"config.optimizer.embedding_lr_scale={o.embedding_lr_scale} must be >= 0 "
+            "(0 freezes the embeddings, 1 trains them like the rest)"
+        )
     if not 0.0 <= o.ema_decay < 1.0:
         raise ConfigError(
             f"config.optimizer.ema_decay={o.ema_decay} must be in [0, 1) (0 = no average; "
@@ -307,6 +314,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "grad_accum_steps": 1,
             "weight_decay": 0.0,
             "ema_decay": 0.0,
+            "embedding_lr_scale": 1.0,
         }
     )
     return config

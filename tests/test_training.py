@@ -101,6 +101,23 @@ def test_params_ema_is_the_bias_corrected_average():
         params_ema(1.0)
 
 
+def test_embedding_lr_scale_scales_only_token_embeddings():
+    config = load_config()
+    model_config = validate_experiment(config)
+    model = Transformer(model_config)
+    state = create_train_state(model, optax.sgd(1.0), 0, 8)
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    updates = {}
+    for scale in (1.0, 0.25):
+        config.optimizer.embedding_lr_scale = scale
+        tx, _ = make_optimizer(config.optimizer, model_config, 100)
+        updates[scale], _ = tx.update(grads, tx.init(state.params), state.params)
+    for path, full in jax.tree_util.tree_flatten_with_path(updates[1.0])[0]:
+        scaled = dict(jax.tree_util.tree_flatten_with_path(updates[0.25])[0])[path]
+        factor = 0.25 if jax.tree_util.keystr(path) == "['shared_embedding']['embedding']" else 1
+        np.testing.assert_allclose(scaled, factor * full, rtol=1e-6)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_loss_matches_float64_reference(smoothing):
     rng = np.random.default_rng(0)
@@ -421,6 +438,8 @@ def test_config_errors_come_before_data(tmp_path):
     for section, field, value, message in (
         ("data", "aux_min_count", -1, "aux_min_count=-1 must be >= 0"),
         ("optimizer", "ema_decay", 1.0, r"ema_decay=1.0 must be in \[0, 1\)"),
+        ("optimizer", "embedding_lr_scale", -1.0, "embedding_lr_scale=-1.0 must be >= 0"),
+        ("train", "embedding_init", "glove", "embedding_init='glove'; choose one of random, ppmi"),
         ("data", "aux_tag", "dict", "aux_tag='dict' needs a translation task and the form <name>"),
         ("data", "aux_tag", "<two words>", "the form <name>"),
     ):

@@ -78,11 +78,23 @@ def evaluation_params(state: TrainState):
     return state.params
 
 
+def is_token_embedding(path) -> bool:
+    """Whether a parameter path names a token embedding table (``.../embedding``,
+    not a learned position table ``.../positions/embedding``)."""
+    keys = [getattr(k, "key", None) for k in path]
+    return keys[-1:] == ["embedding"] and "positions" not in keys
+
+
+def _embedding_tables(params):
+    return jax.tree_util.tree_map_with_path(lambda path, _: is_token_embedding(path), params)
+
+
 def make_optimizer(opt, model: ModelConfig, total_steps: int):
     """(optax transformation, schedule) from an ``optimizer`` config section.
 
     Adam(b1, b2, eps) with the schedule (AdamW if ``weight_decay`` > 0),
-    optionally after global-norm clipping, then (``ema_decay`` > 0) the
+    optionally after global-norm clipping, with the token embeddings' updates
+    scaled by ``embedding_lr_scale``, then (``ema_decay`` > 0) the
     parameters' moving average (:func:`params_ema`); ``grad_accum_steps`` > 1
     wraps it in ``optax.MultiSteps`` (the schedule then counts real updates).
     """
@@ -96,6 +108,9 @@ def make_optimizer(opt, model: ModelConfig, total_steps: int):
     tx = adam
     if opt.clip_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), adam)
+    embedding_scale = opt.get("embedding_lr_scale", 1.0)
+    if embedding_scale != 1.0:
+        tx = optax.chain(tx, optax.masked(optax.scale(embedding_scale), _embedding_tables))
     if opt.get("ema_decay", 0.0) > 0:
         tx = optax.chain(tx, params_ema(opt.ema_decay))
     if opt.grad_accum_steps > 1:

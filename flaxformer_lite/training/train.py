@@ -36,6 +36,7 @@ from flaxformer_lite.training.state import (
     build_model,
     create_train_state,
     evaluation_params,
+    is_token_embedding,
     make_optimizer,
     parameter_count,
 )
@@ -318,7 +319,7 @@ def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
     replaced = []
 
     def replace(path, leaf):
-        if getattr(path[-1], "key", None) == "embedding" and leaf.shape == (vocab, dim):
+        if is_token_embedding(path) and leaf.shape == (vocab, dim):
             replaced.append(jax.tree_util.keystr(path))
             return jnp.asarray(table, leaf.dtype)
         return leaf
