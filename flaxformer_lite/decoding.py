@@ -219,8 +219,39 @@ def _gather_beams(tree, beam_index: Array, batch: int, beams: int):
     return jax.tree_util.tree_map_with_path(gather, tree)
 
 
+def repeated_ngram_mask(seqs: Array, length: Array, n: int, vocab_size: int) -> Array:
+    """``[..., vocab]`` True where appending the token to ``seqs[..., :length]`` would
+    repeat an ``n``-gram already in it (fairseq's ``--no-repeat-ngram-size``)."""
+    *lead, t = seqs.shape
+    flat = seqs.reshape(-1, t)
+    windows = t - n + 1
+    if windows <= 0:
+        return jnp.zeros((*lead, vocab_size), bool)
+    # The n-1 tokens before the next one, and every earlier n-gram's first n-1 tokens.
+    prefix = [
+        lax.dynamic_index_in_dim(flat, jnp.maximum(length - n + 1 + m, 0), 1, False)
+        for m in range(n - 1)
+    ]
+    match = jnp.arange(windows)[None, :] <= length - n  # n-grams that lie in the prefix
+    for m in range(n - 1):
+        match &= flat[:, m : m + windows] == prefix[m][:, None]
+    follower = flat[:, n - 1 : n - 1 + windows]
+    rows = jnp.arange(flat.shape[0])[:, None]
+    banned = jnp.zeros((flat.shape[0], vocab_size), bool).at[rows, follower].max(match)
+    return banned.reshape(*lead, vocab_size)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("model", "max_length", "eos_id", "bos_id", "beam_size", "alpha")
+    jax.jit,
+    static_argnames=(
+        "model",
+        "max_length",
+        "eos_id",
+        "bos_id",
+        "beam_size",
+        "alpha",
+        "no_repeat_ngram",
+    ),
 )
 def beam_search(
     model: nn.Module,
@@ -232,8 +263,13 @@ def beam_search(
     max_length: int,
     eos_id: int,
     bos_id: int,
+    no_repeat_ngram: int = 0,
 ) -> tuple[Array, Array]:
     """Beam search with length penalty; returns (``[b, k, t]`` ids, ``[b, k]`` scores).
+
+    ``no_repeat_ngram`` = n > 0 forbids any hypothesis to contain the same n
+    tokens twice (a guard against an undertrained model's loops such as
+    "zwei zwei zwei ..."); 0 = off, as in the paper.
 
     Hypotheses are sorted by penalised score log p / ((5+len)/6)^alpha, best first.
     Finished hypotheses (ended by EOS) are kept apart from the live ones; the
@@ -259,6 +295,9 @@ def beam_search(
         )
         logits, cache = stepper(cache, last.reshape(b * k, 1), encoded)
         logp = jax.nn.log_softmax(logits).reshape(b, k, v)
+        if no_repeat_ngram > 0:
+            banned = repeated_ngram_mask(live_seqs, i, no_repeat_ngram, v)
+            logp = jnp.where(banned, NEG_INF, logp)
         cand = (live_logp[..., None] + logp).reshape(b, k * v)
         top_logp, top_idx = lax.top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
         beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)

@@ -61,6 +61,7 @@ def evaluate_workdir(
     alpha: float = 0.6,
     num_examples: int = 5,
     limit: int = 0,
+    no_repeat_ngram: int = 0,
 ) -> Scores:
     """Translate a split of the run's dataset, score it, write the translations.
 
@@ -84,7 +85,9 @@ def evaluate_workdir(
         pairs = pairs[:limit]
     sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
     start = time.perf_counter()
-    hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
+    hypotheses = translator.translate(
+        sources, beam_size=beam_size, alpha=alpha, no_repeat_ngram=no_repeat_ngram
+    )
     seconds = time.perf_counter() - start
     scores = corpus_scores(hypotheses, references)
     with open(workdir / f"{split}_translations.tsv", "w", encoding="utf-8") as f:
@@ -98,6 +101,7 @@ def evaluate_workdir(
                 "split": split,
                 "beam_size": beam_size,
                 "alpha": alpha,
+                "no_repeat_ngram": no_repeat_ngram,
                 "checkpoint": translator.checkpoint,
                 "seconds": seconds,
             },
@@ -106,7 +110,9 @@ def evaluate_workdir(
     )
     print(
         f"{d.dataset} {split} ({d.source_lang}->{d.target_lang}, beam {beam_size}, "
-        f"alpha {alpha}, {translator.checkpoint}, {seconds:.0f} s):"
+        f"alpha {alpha}"
+        + (f", no repeated {no_repeat_ngram}-grams" if no_repeat_ngram else "")
+        + f", {translator.checkpoint}, {seconds:.0f} s):"
     )
     print(f"  {scores.line()}")
     for src, ref, hyp in list(zip(sources, references, hypotheses, strict=True))[:num_examples]:

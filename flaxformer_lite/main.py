@@ -30,6 +30,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, logs, 
 _NUM = flags.DEFINE_integer("num", 5, "average: how many of the last checkpoints.")
 _BEAM = flags.DEFINE_integer("beam_size", 4, "translate/evaluate: beam size (1 = greedy).")
 _ALPHA = flags.DEFINE_float("alpha", 0.6, "translate/evaluate: length penalty exponent.")
+_NO_REPEAT = flags.DEFINE_integer(
+    "no_repeat_ngram", 0, "translate/evaluate: forbid repeating any n tokens (0 = off)."
+)
 _INPUT = flags.DEFINE_string("input", None, "translate: a file of sentences, one per line.")
 _SPLIT = flags.DEFINE_string("split", "test", "evaluate: the dataset split to translate.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate: only the first N sentences (0 = all).")
@@ -69,7 +72,14 @@ def main(argv: list[str]) -> None:
         elif command == "translate":
             from flaxformer_lite import translate
 
-            translate.main(_WORKDIR.value, argv[2:], _BEAM.value, _ALPHA.value, _INPUT.value)
+            translate.main(
+                _WORKDIR.value,
+                argv[2:],
+                _BEAM.value,
+                _ALPHA.value,
+                _INPUT.value,
+                _NO_REPEAT.value,
+            )
         elif command == "evaluate":
             from flaxformer_lite.evaluation import evaluate_workdir
 
@@ -79,6 +89,7 @@ def main(argv: list[str]) -> None:
                 beam_size=_BEAM.value,
                 alpha=_ALPHA.value,
                 limit=_LIMIT.value,
+                no_repeat_ngram=_NO_REPEAT.value,
             )
     except (
         ConfigError,

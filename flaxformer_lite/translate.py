@@ -135,8 +135,13 @@ class Translator:
         beam_size: int = 4,
         alpha: float = 0.6,
         max_length: int | None = None,
+        no_repeat_ngram: int = 0,
     ) -> list[str]:
-        """Translations of ``sentences`` (empty or blank sentences give '')."""
+        """Translations of ``sentences`` (empty or blank sentences give '').
+
+        ``no_repeat_ngram`` = n > 0: no output repeats n tokens (beam search, also
+        with ``beam_size=1``, which then equals greedy decoding under that rule).
+        """
         if isinstance(sentences, str):
             raise TranslateError("translate() takes a list of sentences, not one string")
         if isinstance(self.model, LanguageModel):
@@ -145,6 +150,10 @@ class Translator:
             raise TranslateError(f"beam_size={beam_size!r} must be an integer >= 1")
         if not alpha >= 0:
             raise TranslateError(f"alpha={alpha!r} must be >= 0 (the paper uses 0.6)")
+        if not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
+            raise TranslateError(
+                f"no_repeat_ngram={no_repeat_ngram!r} must be an integer >= 0 (0 = off)"
+            )
         results = [""] * len(sentences)
         todo = [i for i, s in enumerate(sentences) if isinstance(s, str) and s.strip()]
         if len(todo) < len(sentences):
@@ -155,7 +164,7 @@ class Translator:
         c = self.config
         for idx, rows, longest in self._batches(encoded):
             limit = max_length or min(longest + self.max_extra, c.max_len)
-            if beam_size == 1:
+            if beam_size == 1 and not no_repeat_ngram:
                 ids = decoding.sample(
                     self.model,
                     self.params,
@@ -174,6 +183,7 @@ class Translator:
                     max_length=limit,
                     eos_id=c.eos_id,
                     bos_id=c.bos_id,
+                    no_repeat_ngram=no_repeat_ngram,
                 )
                 ids = ids[:, 0]
             for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
@@ -182,7 +192,12 @@ class Translator:
 
 
 def main(
-    workdir: str, sentences: list[str], beam_size: int, alpha: float, input_file: str | None = None
+    workdir: str,
+    sentences: list[str],
+    beam_size: int,
+    alpha: float,
+    input_file: str | None = None,
+    no_repeat_ngram: int = 0,
 ) -> int:
     translator = Translator.from_workdir(workdir)
     if input_file:
@@ -196,6 +211,8 @@ def main(
                 "reading sentences from standard input, one per line (Ctrl-D ends)", file=sys.stderr
             )
         sentences = [line.rstrip("\n") for line in sys.stdin]
-    for line in translator.translate(sentences, beam_size=beam_size, alpha=alpha):
+    for line in translator.translate(
+        sentences, beam_size=beam_size, alpha=alpha, no_repeat_ngram=no_repeat_ngram
+    ):
         print(line)
     return 0

@@ -87,6 +87,45 @@ def test_beam_search_beats_greedy_in_score(model_params):
         assert float(scores[b, 0]) >= _score(model, params, SRC[b], greedy[b].tolist(), 0.6) - 1e-4
 
 
+def _ngrams(seq, n):
+    return [tuple(seq[i : i + n]) for i in range(len(seq) - n + 1)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_repeated_ngram_mask_matches_brute_force(n):
+    rng = np.random.default_rng(n)
+    seqs = rng.integers(3, 7, (5, 3, 12))  # 4 symbols: repeats are common
+    for length in range(13):
+        mask = np.asarray(decoding.repeated_ngram_mask(jnp.asarray(seqs), jnp.int32(length), n, 9))
+        for row in np.ndindex(5, 3):
+            prefix = seqs[row][:length].tolist()
+            seen = set(_ngrams(prefix, n))
+            want = [
+                length >= n - 1 and tuple(prefix[length - n + 1 :] + [t]) in seen for t in range(9)
+            ]
+            assert mask[row].tolist() == want, (row, length)
+
+
+def test_beam_search_without_repeated_ngrams(model_params):
+    model, params = model_params
+    kw = dict(max_length=16, eos_id=1, bos_id=2)
+    plain, _ = decoding.beam_search(model, params, SRC, beam_size=4, alpha=0.6, **kw)
+    plain_repeats = 0
+    for n in (2, 3):
+        beams, scores = decoding.beam_search(
+            model, params, SRC, beam_size=4, alpha=0.6, no_repeat_ngram=n, **kw
+        )
+        for b in range(3):
+            for k in range(4):
+                seq = [t for t in np.asarray(beams[b, k]).tolist() if t not in (0,)]
+                grams = _ngrams(seq, n)
+                assert len(grams) == len(set(grams)), (n, seq)
+        for b in range(3):
+            seq = [t for t in np.asarray(plain[b, 0]).tolist() if t != 0]
+            plain_repeats += len(_ngrams(seq, 2)) - len(set(_ngrams(seq, 2)))
+    assert plain_repeats > 0  # the rule had something to forbid
+
+
 def test_sampling_seeds_and_zero_temperature(model_params):
     model, params = model_params
     kw = dict(max_length=12, eos_id=1, bos_id=2)

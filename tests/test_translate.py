@@ -51,6 +51,10 @@ def test_bad_input_messages(run):
         t.translate(["a b c"], beam_size=0)
     with pytest.raises(TranslateError, match="alpha=-1 must be >= 0"):
         t.translate(["a b c"], alpha=-1)
+    with pytest.raises(TranslateError, match="no_repeat_ngram=-2 must be an integer >= 0"):
+        t.translate(["a b c"], no_repeat_ngram=-2)
+    # Greedy under the no-repeat rule runs as a beam of one.
+    assert t.translate(["a b c"], beam_size=1, no_repeat_ngram=2)[0] is not None
     with pytest.raises(TranslateError, match="a list of sentences, not one string"):
         t.translate("a b c")
     with pytest.raises(TranslateError, match="sentence 1 is not a string"):
