@@ -57,7 +57,7 @@ EXPERIMENT_SECTIONS = {
         "best_metric": str,  # validation metric that selects the best checkpoint
         "eval_batches": int,  # 0 = the whole validation split
         "eval_bleu_sentences": int,  # greedy BLEU on this many validation sentences; 0 = off
-        # random | ppmi: start the token embeddings from PPMI-SVD co-occurrence vectors of
+        # random | ppmi: start the token embeddings from PPMI co-occurrence vectors of
         # the pairs of embedding_init_splits ("" = data.train_splits); see data/cooccurrence.py
         "embedding_init": str,
         "embedding_init_splits": str,

@@ -1,4 +1,4 @@
-"""PPMI-SVD embedding initialisation: counts, PPMI against a float64 formula, neighbours."""
+"""PPMI embedding initialisation: counts, PPMI against a float64 formula, neighbours."""
 
 import numpy as np
 import pytest
@@ -42,19 +42,19 @@ def test_translation_pairs_become_neighbours():
     for _ in range(3000):
         i = int(rng.integers(0, 10))
         docs.append(np.array([10 + i, 20 + i, *rng.integers(10, 30, 3)]))
-    table, covered = cooccurrence.ppmi_svd_embeddings(docs, vocab, 16, seed=0)
+    table, covered = cooccurrence.ppmi_embeddings(docs, vocab, 16, seed=0)
     assert table.shape == (vocab, 16) and table.dtype == np.float32
     assert covered == 20  # ids 0..9 and 30..39 never occur: random rows
     np.testing.assert_allclose(np.linalg.norm(table, axis=1), 1.0, rtol=1e-5)
     for i in range(10):
         assert cooccurrence.nearest(table, 10 + i, 1) == [20 + i]
         assert cooccurrence.nearest(table, 20 + i, 1) == [10 + i]
-    again, _ = cooccurrence.ppmi_svd_embeddings(docs, vocab, 16, seed=0)
+    again, _ = cooccurrence.ppmi_embeddings(docs, vocab, 16, seed=0)
     np.testing.assert_allclose(table, again, atol=1e-6)  # ARPACK: same start vector
 
 
 def test_errors():
     with pytest.raises(ValueError, match="dim 8 must be in"):
-        cooccurrence.ppmi_svd_embeddings([np.array([1, 2])], 8, 8)
+        cooccurrence.ppmi_embeddings([np.array([1, 2])], 8, 8)
     with pytest.raises(ValueError, match="no piece shares a document"):
-        cooccurrence.ppmi_svd_embeddings([np.array([1]), np.array([2])], 8, 4)
+        cooccurrence.ppmi_embeddings([np.array([1]), np.array([2])], 8, 4)

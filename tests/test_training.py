@@ -342,10 +342,10 @@ def test_ppmi_embedding_init(fixture_data, tmp_path, capsys):
         for split in ("train", "train_phrases")
         for en, de in pipeline.load_texts("ding_de_en", split, ("en", "de"), data_dir)
     ]
-    want, _ = cooccurrence.ppmi_svd_embeddings(documents, 100, 32, seed=config.train.seed)
+    want, _ = cooccurrence.ppmi_embeddings(documents, 100, 32, seed=config.train.seed)
     np.testing.assert_allclose(table, want, atol=1e-5)
     train_and_evaluate(config, tmp_path / "run")
-    assert "embeddings: PPMI-SVD vectors for" in capsys.readouterr().out
+    assert "embeddings: PPMI vectors for" in capsys.readouterr().out
 
 
 def test_other_models_workdir_is_refused(fixture_data, tmp_path):

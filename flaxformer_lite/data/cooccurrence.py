@@ -56,7 +56,7 @@ def ppmi(counts: sparse.spmatrix, smoothing: float = 0.75) -> sparse.csr_matrix:
     return sparse.csr_matrix((pmi[keep], (c.row[keep], c.col[keep])), shape=counts.shape)
 
 
-def ppmi_svd_embeddings(
+def ppmi_embeddings(
     documents: Iterable[np.ndarray], vocab_size: int, dim: int, *, seed: int = 0
 ) -> tuple[np.ndarray, int]:
     """``[vocab_size, dim]`` unit-norm vectors (rows of ``Q sqrt(Λ)`` for the ``dim``

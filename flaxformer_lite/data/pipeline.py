@@ -93,6 +93,15 @@ def load_text_pairs(
     return load_texts(dataset, split, (source_lang, target_lang), data_dir)
 
 
+def fixed_subset(items: Sequence, limit: int | None) -> list:
+    """``limit`` of ``items`` in their order, the same on every machine and run
+    (``split:N`` in ``data.train_splits``); all of them if ``limit`` is None or larger."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    keep = np.sort(np.random.default_rng(0).permutation(len(items))[:limit])
+    return [items[i] for i in keep]
+
+
 _WORD = re.compile(r"\w+")
 
 

@@ -57,14 +57,19 @@ class TranslationData:
     validation_texts: list[tuple[str, ...]]  # for BLEU during training
 
 
+def _features(d) -> tuple[str, ...]:
+    """Translation reads (source, target) pairs; a language model reads the target text."""
+    return (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
+
+
 def prepare_data(config, workdir: Path) -> TranslationData:
     """Text splits -> the workdir's tokenizer (trained on train splits once) -> token ids."""
     d = config.data
-    # Translation reads (source, target) pairs; a language model reads the target text.
-    features = (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
+    features = _features(d)
     train_pairs: list[tuple[str, ...]] = []
     counts = None  # word counts of the first split, per feature (for aux_min_count)
-    for i, (name, limit) in enumerate(parse_train_splits(d.train_splits)):
+    splits = parse_train_splits(d.train_splits)
+    for i, (name, limit) in enumerate(splits):
         texts = pipeline.load_texts(d.dataset, name, features, d.data_dir)
         if i == 0:
             counts = pipeline.word_counts(texts) if d.aux_min_count else None
@@ -73,11 +78,9 @@ def prepare_data(config, workdir: Path) -> TranslationData:
             texts = pipeline.known_word_pairs(texts, counts, d.aux_min_count)
             print(
                 f"{name}: kept {len(texts)} of {before} pairs whose words all occur >= "
-                f"{d.aux_min_count}x in {parse_train_splits(d.train_splits)[0][0]}"
+                f"{d.aux_min_count}x in {splits[0][0]}"
             )
-        if limit is not None and limit < len(texts):  # a fixed, seeded subset
-            keep = np.sort(np.random.default_rng(0).permutation(len(texts))[:limit])
-            texts = [texts[i] for i in keep]
+        texts = pipeline.fixed_subset(texts, limit)
         if i > 0 and d.aux_tag:  # the source says where the pair comes from
             texts = [(f"{d.aux_tag} {t[0]}", *t[1:]) for t in texts]
         train_pairs += texts
@@ -301,21 +304,19 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
 
 
 def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
-    """``params`` with every ``[vocab, d_model]`` embedding table replaced by PPMI-SVD
+    """``params`` with every ``[vocab, d_model]`` embedding table replaced by PPMI
     co-occurrence vectors of the pairs of ``train.embedding_init_splits``."""
     d, t = config.data, config.train
     started = time.perf_counter()
-    features = (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
+    features = _features(d)
     documents = []
     for name, limit in parse_train_splits(t.embedding_init_splits or d.train_splits):
         texts = pipeline.load_texts(d.dataset, name, features, d.data_dir)
-        if limit is not None and limit < len(texts):
-            keep = np.sort(np.random.default_rng(0).permutation(len(texts))[:limit])
-            texts = [texts[i] for i in keep]
+        texts = pipeline.fixed_subset(texts, limit)
         pieces = [tokenizer.sp.encode(list(column)) for column in zip(*texts, strict=True)]
         documents += [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
     vocab, dim = config.model.vocab_size, config.model.d_model
-    table, covered = cooccurrence.ppmi_svd_embeddings(documents, vocab, dim, seed=t.seed)
+    table, covered = cooccurrence.ppmi_embeddings(documents, vocab, dim, seed=t.seed)
     replaced = []
 
     def replace(path, leaf):
@@ -326,7 +327,7 @@ def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
 
     params = jax.tree_util.tree_map_with_path(replace, params)
     print(
-        f"embeddings: PPMI-SVD vectors for {covered} of {vocab} pieces from {len(documents)} "
+        f"embeddings: PPMI vectors for {covered} of {vocab} pieces from {len(documents)} "
         f"pairs in {time.perf_counter() - started:.0f} s ({', '.join(replaced) or 'no table'})"
     )
     return params
