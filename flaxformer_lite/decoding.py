@@ -27,6 +27,8 @@ from flaxformer_lite.architectures.lm import LanguageModel
 from flaxformer_lite.architectures.transformer import Transformer
 
 NEG_INF = -1.0e9
+# Arguments every jitted search takes as compile-time constants.
+_STATIC = ("model", "max_length", "eos_id", "bos_id")
 
 
 class _Stepper:
@@ -98,17 +100,7 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "model",
-        "max_length",
-        "eos_id",
-        "bos_id",
-        "temperature",
-        "top_k",
-        "top_p",
-        "batch_size",
-    ),
+    jax.jit, static_argnames=(*_STATIC, "temperature", "top_k", "top_p", "batch_size")
 )
 def sample(
     model: nn.Module,
@@ -171,7 +163,7 @@ def sample(
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_length", "eos_id", "bos_id"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def greedy_uncached(
     model: nn.Module, params, inputs: Array, *, max_length: int, eos_id: int, bos_id: int
 ) -> Array:
@@ -241,18 +233,7 @@ def repeated_ngram_mask(seqs: Array, length: Array, n: int, vocab_size: int) -> 
     return banned.reshape(*lead, vocab_size)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "model",
-        "max_length",
-        "eos_id",
-        "bos_id",
-        "beam_size",
-        "alpha",
-        "no_repeat_ngram",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "beam_size", "alpha", "no_repeat_ngram"))
 def beam_search(
     model: nn.Module,
     params,

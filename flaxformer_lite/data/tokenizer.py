@@ -89,14 +89,22 @@ def train_tokenizer(
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     try:
-        _train(
-            sentences,
-            buffer,
-            vocab_size,
-            character_coverage,
-            max_sentences,
-            seed_sentencepiece_size,
-            user_symbols,
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences,
+            model_writer=buffer,
+            vocab_size=vocab_size,
+            model_type="unigram",
+            character_coverage=character_coverage,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            seed_sentencepiece_size=seed_sentencepiece_size,
+            pad_id=PAD_ID,
+            eos_id=EOS_ID,
+            bos_id=BOS_ID,
+            unk_id=UNK_ID,
+            user_defined_symbols=list(user_symbols),
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
         )
     except RuntimeError as e:
         raise ValueError(
@@ -107,34 +115,6 @@ def train_tokenizer(
     tmp.write_bytes(buffer.getvalue())
     os.replace(tmp, path)  # never a half-written model
     return Tokenizer.load(path)
-
-
-def _train(
-    sentences,
-    buffer,
-    vocab_size,
-    character_coverage,
-    max_sentences,
-    seed_sentencepiece_size,
-    user_symbols,
-) -> None:
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences,
-        model_writer=buffer,
-        vocab_size=vocab_size,
-        model_type="unigram",
-        character_coverage=character_coverage,
-        input_sentence_size=max_sentences,
-        shuffle_input_sentence=True,
-        seed_sentencepiece_size=seed_sentencepiece_size,
-        pad_id=PAD_ID,
-        eos_id=EOS_ID,
-        bos_id=BOS_ID,
-        unk_id=UNK_ID,
-        user_defined_symbols=list(user_symbols),
-        num_threads=os.cpu_count() or 1,
-        minloglevel=2,
-    )
 
 
 def load_or_train(
