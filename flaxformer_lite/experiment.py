@@ -35,6 +35,10 @@ EXPERIMENT_SECTIONS = {
         "aux_min_count": int,
         # ... and start their source with this tag (a reserved vocabulary symbol; "" = none)
         "aux_tag": str,
+        # Also train every pair reversed (target -> source), with this tag (<name>, a
+        # reserved symbol) starting the reversed source; "" = one direction only. The
+        # configured direction stays untagged, so translation needs no tag.
+        "reverse_tag": str,
         "eval_split": str,
         "test_split": str,
         "max_length": int,  # tokens per side (incl. EOS); also the packed row length
@@ -81,7 +85,7 @@ EXPERIMENT_SECTIONS = {
 }
 # Fields added after runs were saved: a saved config without them means these values.
 ADDED_FIELDS = {
-    "data": {"aux_min_count": 0, "aux_tag": ""},
+    "data": {"aux_min_count": 0, "aux_tag": "", "reverse_tag": ""},
     "train": {"concurrent_splits": 1, "embedding_init": "random", "embedding_init_splits": ""},
     "optimizer": {"ema_decay": 0.0, "embedding_lr_scale": 1.0},
 }
@@ -186,6 +190,15 @@ def validate_experiment(config) -> ModelConfig:
             f"config.data.aux_tag={d.aux_tag!r} needs a translation task and the form <name> "
             "(e.g. <dict>), one symbol with no spaces"
         )
+    if d.reverse_tag and (d.task != "translation" or not re.fullmatch(r"<\w+>", d.reverse_tag)):
+        raise ConfigError(
+            f"config.data.reverse_tag={d.reverse_tag!r} needs a translation task and the form "
+            "<name> (e.g. <2en>), one symbol with no spaces"
+        )
+    if d.reverse_tag and d.reverse_tag == d.aux_tag:
+        raise ConfigError(
+            f"config.data.reverse_tag and aux_tag are both {d.aux_tag!r}; give them different names"
+        )
     if d.stream and d.task != "lm":
         raise ConfigError(
             f"config.data.stream=True needs data.task='lm' (it is {d.task!r}): translation "
@@ -274,6 +287,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "train_splits": "train",
             "aux_min_count": 0,
             "aux_tag": "",
+            "reverse_tag": "",
             "eval_split": "validation",
             "test_split": "test",
             "max_length": 64,

@@ -265,8 +265,8 @@ def fixture_data(tmp_path_factory):
 def debug_config(data_dir, **train):
     config = load_config()
     config.model.vocab_size = 100  # the fixture corpus supports ~108 pieces
-    # ende_small trains without dropout; keep it on here so that the resume and
-    # averaging tests still exercise the dropout keys.
+    # Dropout on, whatever the default config says, so that the resume and averaging
+    # tests always exercise the dropout keys.
     config.model.residual_dropout = 0.1
     config.model.embedding_dropout = 0.1
     config.data.data_dir = str(data_dir)
@@ -406,6 +406,38 @@ def test_auxiliary_split_filter_and_tag(fixture_data, tmp_path):
         prepare_data(config, tmp_path / "untagged")
 
 
+def test_reverse_tag_trains_both_directions(fixture_data, tmp_path):
+    """Every pair also appears reversed, its German source led by the tag; the
+    configured direction stays untagged (the Translator needs no tag)."""
+    _, data_dir = fixture_data
+    config = debug_config(data_dir)
+    config.data.reverse_tag = "<2en>"
+    data = prepare_data(config, tmp_path)
+    sp = data.tokenizer.sp
+    tag = sp.piece_to_id("<2en>")
+    assert tag != UNK_ID
+    main = pipeline.load_texts("ding_de_en", "train", ("en", "de"), data_dir)
+    assert len(data.train) == 2 * len(main)
+    forward = {
+        (sp.decode(ex["inputs"].tolist()), sp.decode(ex["targets"].tolist()))
+        for ex in data.train
+        if tag not in ex["inputs"]
+    }
+    reverse = {
+        (
+            sp.decode([i for i in ex["inputs"].tolist() if i != tag]),
+            sp.decode(ex["targets"].tolist()),
+        )
+        for ex in data.train
+        if tag in ex["inputs"]
+    }
+    # sentencepiece writes "<2en> ..." as "▁", "<2en>", ...: the tag leads the source.
+    assert all(tag in ex["inputs"][:2] for ex in data.train if tag in ex["inputs"])
+    assert forward == set(main)
+    assert reverse == {(de, en) for en, de in main}
+    assert not any(tag in ex["inputs"] or tag in ex["targets"] for ex in data.validation)
+
+
 def test_known_word_pairs():
     main = [("The house is old.", "Das Haus ist alt."), ("A house.", "Ein Haus.")]
     counts = pipeline.word_counts(main)
@@ -442,6 +474,7 @@ def test_config_errors_come_before_data(tmp_path):
         ("train", "embedding_init", "glove", "embedding_init='glove'; choose one of random, ppmi"),
         ("data", "aux_tag", "dict", "aux_tag='dict' needs a translation task and the form <name>"),
         ("data", "aux_tag", "<two words>", "the form <name>"),
+        ("data", "reverse_tag", "2en", "reverse_tag='2en' needs a translation task"),
     ):
         config = load_config()
         config[section][field] = value

@@ -92,8 +92,10 @@ def prepare_data(config, workdir: Path) -> TranslationData:
         for i in order:
             yield from train_pairs[i]
 
-    tags = (d.aux_tag,) if d.aux_tag else ()
+    tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
     tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
+    if d.reverse_tag:  # both directions; the reversed pairs say so in their source
+        train_pairs += [(f"{d.reverse_tag} {tgt}", src) for src, tgt in train_pairs]
     if d.stream:  # one running text per split (in corpus order), cut into full rows
         train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
         validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
