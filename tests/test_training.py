@@ -436,6 +436,16 @@ def test_reverse_tag_trains_both_directions(fixture_data, tmp_path):
     assert forward == set(main)
     assert reverse == {(de, en) for en, de in main}
     assert not any(tag in ex["inputs"] or tag in ex["targets"] for ex in data.validation)
+    # With tagged auxiliary pairs, both tags lead the reversed source; no target holds one.
+    config.data.train_splits = "train,train_phrases"
+    config.data.aux_tag = "<dict>"
+    data = prepare_data(config, tmp_path / "with_aux")
+    sp = data.tokenizer.sp
+    tags = {sp.piece_to_id("<2en>"), sp.piece_to_id("<dict>")}
+    assert not any(tags & set(ex["targets"].tolist()) for ex in data.train)
+    both = [ex for ex in data.train if tags <= set(ex["inputs"].tolist())]
+    phrases = pipeline.load_texts("ding_de_en", "train_phrases", ("en", "de"), data_dir)
+    assert len(both) == len(phrases)
 
 
 def test_known_word_pairs():

@@ -95,7 +95,7 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
     tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
     if d.reverse_tag:  # both directions; the reversed pairs say so in their source
-        train_pairs += [(f"{d.reverse_tag} {tgt}", src) for src, tgt in train_pairs]
+        train_pairs += [_reversed(src, tgt, d.reverse_tag, d.aux_tag) for src, tgt in train_pairs]
     if d.stream:  # one running text per split (in corpus order), cut into full rows
         train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
         validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
@@ -109,6 +109,13 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     return TranslationData(
         tokenizer, train, validation, {"train": train_stats, "validation": eval_stats}, eval_pairs
     )
+
+
+def _reversed(source: str, target: str, reverse_tag: str, aux_tag: str) -> tuple[str, str]:
+    """(target, source) led by ``reverse_tag``; an auxiliary pair's tag stays in the source."""
+    if aux_tag and source.startswith(f"{aux_tag} "):
+        return f"{reverse_tag} {aux_tag} {target}", source[len(aux_tag) + 1 :]
+    return f"{reverse_tag} {target}", source
 
 
 def _check_workdir(config, workdir: Path) -> None:
