@@ -185,16 +185,13 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(
             f"config.data.aux_min_count={d.aux_min_count} must be >= 0 (0 keeps every pair)"
         )
-    if d.aux_tag and (d.task != "translation" or not re.fullmatch(r"<\w+>", d.aux_tag)):
-        raise ConfigError(
-            f"config.data.aux_tag={d.aux_tag!r} needs a translation task and the form <name> "
-            "(e.g. <dict>), one symbol with no spaces"
-        )
-    if d.reverse_tag and (d.task != "translation" or not re.fullmatch(r"<\w+>", d.reverse_tag)):
-        raise ConfigError(
-            f"config.data.reverse_tag={d.reverse_tag!r} needs a translation task and the form "
-            "<name> (e.g. <2en>), one symbol with no spaces"
-        )
+    for name, example in (("aux_tag", "<dict>"), ("reverse_tag", "<2en>")):
+        tag = d[name]
+        if tag and (d.task != "translation" or not re.fullmatch(r"<\w+>", tag)):
+            raise ConfigError(
+                f"config.data.{name}={tag!r} needs a translation task and the form <name> "
+                f"(e.g. {example}), one symbol with no spaces"
+            )
     if d.reverse_tag and d.reverse_tag == d.aux_tag:
         raise ConfigError(
             f"config.data.reverse_tag and aux_tag are both {d.aux_tag!r}; give them different names"

@@ -67,6 +67,7 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     d = config.data
     features = _features(d)
     train_pairs: list[tuple[str, ...]] = []
+    reversed_pairs: list[tuple[str, str]] = []  # data.reverse_tag: target -> source, tagged
     counts = None  # word counts of the first split, per feature (for aux_min_count)
     splits = parse_train_splits(d.train_splits)
     for i, (name, limit) in enumerate(splits):
@@ -81,9 +82,11 @@ def prepare_data(config, workdir: Path) -> TranslationData:
                 f"{d.aux_min_count}x in {splits[0][0]}"
             )
         texts = pipeline.fixed_subset(texts, limit)
-        if i > 0 and d.aux_tag:  # the source says where the pair comes from
-            texts = [(f"{d.aux_tag} {t[0]}", *t[1:]) for t in texts]
-        train_pairs += texts
+        # The source says where the pair comes from (aux_tag) and which way it goes.
+        aux = f"{d.aux_tag} " if i > 0 and d.aux_tag else ""
+        train_pairs += [(aux + t[0], *t[1:]) for t in texts]
+        if d.reverse_tag:
+            reversed_pairs += [(f"{d.reverse_tag} {aux}{tgt}", src) for src, tgt in texts]
     eval_pairs = pipeline.load_texts(d.dataset, d.eval_split, features, d.data_dir)
 
     def sentences():
@@ -94,8 +97,7 @@ def prepare_data(config, workdir: Path) -> TranslationData:
 
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
     tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
-    if d.reverse_tag:  # both directions; the reversed pairs say so in their source
-        train_pairs += [_reversed(src, tgt, d.reverse_tag, d.aux_tag) for src, tgt in train_pairs]
+    train_pairs += reversed_pairs  # after the tokenizer, which learns from one direction
     if d.stream:  # one running text per split (in corpus order), cut into full rows
         train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
         validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
@@ -109,13 +111,6 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     return TranslationData(
         tokenizer, train, validation, {"train": train_stats, "validation": eval_stats}, eval_pairs
     )
-
-
-def _reversed(source: str, target: str, reverse_tag: str, aux_tag: str) -> tuple[str, str]:
-    """(target, source) led by ``reverse_tag``; an auxiliary pair's tag stays in the source."""
-    if aux_tag and source.startswith(f"{aux_tag} "):
-        return f"{reverse_tag} {aux_tag} {target}", source[len(aux_tag) + 1 :]
-    return f"{reverse_tag} {target}", source
 
 
 def _check_workdir(config, workdir: Path) -> None:
