@@ -169,11 +169,36 @@ def restore_params(workdir: str | Path, target_params: Any, kind: str = "best") 
     return restored[item]["params"], step
 
 
-def average_last(workdir: str | Path, target_state: Any, num: int) -> tuple[int, list[int]]:
+def restore_last_state(workdir: str | Path, target_state: Any) -> tuple[Any, int]:
+    """The whole train state of the newest ``last`` checkpoint, read-only; (state, step).
+    For what the parameters alone do not hold, such as their moving average."""
+    step = available(workdir, "last")
+    if step is None:
+        raise CheckpointError(f"no checkpoint in {Path(workdir) / _DIRS['last']}: train first")
+    manager = _manager(Path(workdir) / _DIRS["last"], read_only=True)
+    try:
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state))),
+        )
+    except ValueError as e:
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {workdir} does not fit its config: {str(e)[:300]}"
+        ) from e
+    finally:
+        manager.close()
+    return restored["state"], step
+
+
+def average_last(
+    workdir: str | Path, target_state: Any, num: int, params_of=None
+) -> tuple[int, list[int]]:
     """Average the parameters of the last ``num`` checkpoints into ``checkpoints_averaged``.
 
-    The paper averages the last 5 (base) or 20 (big) checkpoints. Returns
-    (step of the newest averaged checkpoint, steps averaged).
+    The paper averages the last 5 (base) or 20 (big) checkpoints. ``params_of``
+    picks the parameters of a restored state (default: ``state.params``; a run
+    with a parameter EMA passes its average). Returns (step of the newest
+    averaged checkpoint, steps averaged).
     """
     if num < 1:
         raise CheckpointError(f"--num={num}: average at least one checkpoint")
@@ -186,10 +211,11 @@ def average_last(workdir: str | Path, target_state: Any, num: int) -> tuple[int,
     total = None
     for step in steps:
         state, _ = checkpoints.restore(target_state, step)
-        params = jax.tree.map(
-            lambda x: jnp.asarray(x, jnp.float32),
-            state.params if hasattr(state, "params") else state["params"],
-        )
+        if params_of is not None:
+            params = params_of(state)
+        else:
+            params = state.params if hasattr(state, "params") else state["params"]
+        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         total = params if total is None else jax.tree.map(jnp.add, total, params)
     checkpoints.close()
     mean = jax.tree.map(lambda x: x / len(steps), total)

@@ -73,6 +73,9 @@ EXPERIMENT_SECTIONS = {
         "schedule": str,  # noam | warmup_cosine | constant
         "learning_rate": float,  # noam: a multiplier (paper 1.0); others: the peak value
         "warmup_steps": int,
+        # >0: the last cooldown_steps updates scale the schedule down linearly to zero
+        # (warmup-stable-decay; the noam tail is otherwise still at half its peak)
+        "cooldown_steps": int,
         "clip_grad_norm": float,  # 0 = off
         "grad_accum_steps": int,  # >1: optax.MultiSteps
         "weight_decay": float,  # 0 = Adam (paper); >0 = AdamW
@@ -87,7 +90,7 @@ EXPERIMENT_SECTIONS = {
 ADDED_FIELDS = {
     "data": {"aux_min_count": 0, "aux_tag": "", "reverse_tag": ""},
     "train": {"concurrent_splits": 1, "embedding_init": "random", "embedding_init_splits": ""},
-    "optimizer": {"ema_decay": 0.0, "embedding_lr_scale": 1.0},
+    "optimizer": {"ema_decay": 0.0, "embedding_lr_scale": 1.0, "cooldown_steps": 0},
 }
 
 
@@ -262,6 +265,14 @@ def validate_experiment(config) -> ModelConfig:
         )
     if o.schedule == "noam" and o.warmup_steps <= 0:
         raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
+    updates = t.num_steps // o.grad_accum_steps
+    if not 0 <= o.cooldown_steps <= max(updates - o.warmup_steps, 0):
+        raise ConfigError(
+            f"config.optimizer.cooldown_steps={o.cooldown_steps} must be in [0, "
+            f"{max(updates - o.warmup_steps, 0)}]: the cooldown fits after the "
+            f"{o.warmup_steps} warmup updates of the {updates} updates of the run "
+            "(0 = none)"
+        )
     if o.warmup_steps < 0 or o.clip_grad_norm < 0 or o.weight_decay < 0:
         raise ConfigError(
             "config.optimizer.warmup_steps, clip_grad_norm and weight_decay must be >= 0"
@@ -321,6 +332,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "schedule": "noam",
             "learning_rate": 1.0,
             "warmup_steps": 4000,
+            "cooldown_steps": 0,
             "clip_grad_norm": 0.0,
             "grad_accum_steps": 1,
             "weight_decay": 0.0,
@@ -367,4 +379,6 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None) -> ml_col
                 eval_bleu_sentences=min(config.train.eval_bleu_sentences, 8),
             )
             config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, 4)
+            if config.optimizer.cooldown_steps:
+                config.optimizer.cooldown_steps = 2
     return config

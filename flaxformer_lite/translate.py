@@ -8,7 +8,8 @@
   python -m flaxformer_lite.main translate --workdir=runs/ende_small < sentences.txt
 
 Loads the run's config, tokenizer and parameters (averaged if present, else
-the best validation checkpoint, else the last). Sentences are batched,
+the best validation checkpoint, else the last; of a run with a parameter EMA,
+the moving average, as its evaluations used). Sentences are batched,
 decoded with beam search (default: the paper's beam 4, alpha 0.6, at most
 source length + 50 tokens), and returned in input order.
 """
@@ -32,6 +33,8 @@ from flaxformer_lite.architectures.lm import LanguageModel
 from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.config import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
+from flaxformer_lite.training.average import abstract_train_state, load_run_config
+from flaxformer_lite.training.state import evaluation_params
 
 TOO_LONG = ("truncate", "refuse")
 
@@ -89,7 +92,14 @@ class Translator:
             raise ckpt_lib.CheckpointError(
                 f"{workdir} holds no checkpoint yet; train first (or wait for the first save)"
             )
-        params, step = ckpt_lib.restore_params(workdir, target, kinds[0])
+        if kinds[0] == "last" and config.get("optimizer", {}).get("ema_decay", 0.0) > 0:
+            # The run evaluated (and kept as best) its parameters' moving average.
+            state, step = ckpt_lib.restore_last_state(
+                workdir, abstract_train_state(load_run_config(workdir))
+            )
+            params = evaluation_params(state)
+        else:
+            params, step = ckpt_lib.restore_params(workdir, target, kinds[0])
         translator = cls(model, params, Tokenizer.load(workdir / MODEL_NAME), **kwargs)
         translator.checkpoint = f"{kinds[0]} checkpoint, step {step}"
         translator.run_config = config

@@ -37,6 +37,7 @@ from flaxformer_lite.training.train import (
     prepare_data,
     train_and_evaluate,
 )
+from flaxformer_lite.translate import Translator
 from tests import fixtures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,6 +74,20 @@ def test_other_schedules():
     assert float(cos(100)) == pytest.approx(0.0, abs=1e-9)
     const = schedules.constant(5e-4, warmup_steps=4)
     assert float(const(2)) == pytest.approx(2.5e-4) and float(const(50)) == pytest.approx(5e-4)
+
+
+def test_cooldown_scales_the_tail_linearly_to_zero():
+    base = schedules.noam(256, 10)
+    cooled = schedules.with_cooldown(base, total_steps=100, cooldown_steps=20)
+    for count in (0, 5, 10, 50, 80):  # before the cooldown: untouched
+        assert float(cooled(count)) == pytest.approx(float(base(count)), rel=1e-6)
+    for count in (81, 90, 99):  # update 100 - k is scaled by k / 20
+        want = float(base(count)) * (100 - count) / 20
+        assert float(cooled(count)) == pytest.approx(want, rel=1e-5)
+    assert float(cooled(100)) == 0.0 and float(cooled(150)) == 0.0
+    assert schedules.with_cooldown(base, 100, 0) is base
+    with pytest.raises(ValueError, match="cooldown_steps=101 exceeds the run's 100 updates"):
+        schedules.with_cooldown(base, 100, 101)
 
 
 def test_params_ema_is_the_bias_corrected_average():
@@ -293,11 +308,19 @@ def test_resume_is_exact(fixture_data, tmp_path):
     b, step_b = _last_params(split, debug_config(data_dir))
     assert step_a == step_b == 6
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    # Averaging the last two checkpoints (3 and 6).
+    # Averaging the last two checkpoints (3 and 6), of the moving average the run
+    # evaluated with (the default config keeps one).
     average_workdir(split, 2)
     avg, _ = ckpt_lib.restore_params(split, a, kind="averaged")
-    state3, _ = ckpt_lib.Checkpoints(split).restore(abstract_train_state(debug_config(data_dir)), 3)
-    mean = jax.tree.map(lambda x, y: (np.asarray(x) + np.asarray(y)) / 2, b, state3.params)
+    target = abstract_train_state(debug_config(data_dir))
+    state3, _ = ckpt_lib.Checkpoints(split).restore(target, 3)
+    state6, _ = ckpt_lib.Checkpoints(split).restore(target, 6)
+    assert debug_config(data_dir).optimizer.ema_decay > 0
+    mean = jax.tree.map(
+        lambda x, y: (np.asarray(x) + np.asarray(y)) / 2,
+        evaluation_params(state6),
+        evaluation_params(state3),
+    )
     jax.tree.map(
         lambda m, want: np.testing.assert_allclose(np.asarray(m), want, rtol=1e-6), avg, mean
     )
@@ -317,6 +340,13 @@ def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
         lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), ema, state.params
     )
     assert any(jax.tree.leaves(differs))  # the average is not the last parameters
+    # The last checkpoint translates, and averages, with the moving average too.
+    last = Translator.from_workdir(tmp_path, kind="last")
+    assert last.checkpoint == "last checkpoint, step 4"
+    jax.tree.map(np.testing.assert_array_equal, last.params, ema)
+    average_workdir(tmp_path, 1)
+    averaged, _ = ckpt_lib.restore_params(tmp_path, state.params, kind="averaged")
+    jax.tree.map(np.testing.assert_array_equal, averaged, ema)
 
 
 def test_ppmi_embedding_init(fixture_data, tmp_path, capsys):
@@ -480,6 +510,8 @@ def test_config_errors_come_before_data(tmp_path):
     for section, field, value, message in (
         ("data", "aux_min_count", -1, "aux_min_count=-1 must be >= 0"),
         ("optimizer", "ema_decay", 1.0, r"ema_decay=1.0 must be in \[0, 1\)"),
+        ("optimizer", "cooldown_steps", 10**6, r"cooldown_steps=1000000 must be in \[0, "),
+        ("optimizer", "cooldown_steps", -1, r"cooldown_steps=-1 must be in \[0, "),
         ("optimizer", "embedding_lr_scale", -1.0, "embedding_lr_scale=-1.0 must be >= 0"),
         ("train", "embedding_init", "glove", "embedding_init='glove'; choose one of random, ppmi"),
         ("data", "aux_tag", "dict", "aux_tag='dict' needs a translation task and the form <name>"),

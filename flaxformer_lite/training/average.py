@@ -9,7 +9,12 @@ import ml_collections
 
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.experiment import validate_experiment, with_added_fields
-from flaxformer_lite.training.state import build_model, create_train_state, make_optimizer
+from flaxformer_lite.training.state import (
+    build_model,
+    create_train_state,
+    evaluation_params,
+    make_optimizer,
+)
 
 
 def load_run_config(workdir: str | Path) -> ml_collections.ConfigDict:
@@ -30,7 +35,13 @@ def abstract_train_state(config):
 
 
 def average_workdir(workdir: str | Path, num: int) -> int:
+    """Average the last ``num`` checkpoints: of the parameters' moving average where the
+    run kept one (``optimizer.ema_decay`` > 0: what it evaluated and kept as best),
+    else of the trained parameters."""
     config = load_run_config(workdir)
-    step, steps = ckpt_lib.average_last(workdir, abstract_train_state(config), num)
-    print(f"averaged the parameters of steps {steps} into {workdir}/checkpoints_averaged/{step}")
+    step, steps = ckpt_lib.average_last(
+        workdir, abstract_train_state(config), num, params_of=evaluation_params
+    )
+    what = "moving averages" if config.optimizer.ema_decay > 0 else "parameters"
+    print(f"averaged the {what} of steps {steps} into {workdir}/checkpoints_averaged/{step}")
     return step

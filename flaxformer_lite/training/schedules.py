@@ -4,6 +4,12 @@
     lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
 with ``step = count + 1`` (the paper counts steps from 1), times an optional
 ``scale`` (1.0 in the paper).
+
+Any of them can end in a cooldown (``with_cooldown``): over the last
+``cooldown_steps`` updates the rate is scaled down linearly to zero, as in
+warmup-stable-decay schedules. A short run otherwise stops with noam still at
+about half its peak, where the parameters rattle around a minimum they could
+settle into.
 """
 
 from __future__ import annotations
@@ -47,12 +53,33 @@ def constant(value: float, warmup_steps: int = 0) -> optax.Schedule:
     )
 
 
+def with_cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: int):
+    """``schedule`` times a factor that falls linearly from 1 to 0 over the last
+    ``cooldown_steps`` of ``total_steps`` updates (update ``total - k`` is scaled
+    by ``k / cooldown_steps``; the last one by ``1 / cooldown_steps``)."""
+    if cooldown_steps <= 0:
+        return schedule
+    if cooldown_steps > total_steps:
+        raise ValueError(f"cooldown_steps={cooldown_steps} exceeds the run's {total_steps} updates")
+
+    def cooled(count):
+        left = total_steps - jnp.asarray(count, jnp.float32)
+        return schedule(count) * jnp.clip(left / cooldown_steps, 0.0, 1.0)
+
+    return cooled
+
+
 def make_schedule(opt, d_model: int, total_steps: int) -> optax.Schedule:
-    """The schedule named by ``opt.schedule`` (an ``optimizer`` config section)."""
+    """The schedule named by ``opt.schedule`` (an ``optimizer`` config section),
+    with its ``cooldown_steps`` if any."""
     if opt.schedule == "noam":
-        return noam(d_model, opt.warmup_steps, opt.learning_rate)
-    if opt.schedule == "warmup_cosine":
-        return warmup_cosine(opt.learning_rate, opt.warmup_steps, total_steps)
-    if opt.schedule == "constant":
-        return constant(opt.learning_rate, opt.warmup_steps)
-    raise ValueError(f"optimizer.schedule={opt.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        schedule = noam(d_model, opt.warmup_steps, opt.learning_rate)
+    elif opt.schedule == "warmup_cosine":
+        schedule = warmup_cosine(opt.learning_rate, opt.warmup_steps, total_steps)
+    elif opt.schedule == "constant":
+        schedule = constant(opt.learning_rate, opt.warmup_steps)
+    else:
+        raise ValueError(
+            f"optimizer.schedule={opt.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+        )
+    return with_cooldown(schedule, total_steps, opt.get("cooldown_steps", 0))
