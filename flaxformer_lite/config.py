@@ -66,6 +66,12 @@ class ModelConfig:
     activation: str = "relu"  # FFN activation; the paper's max(0, .)
     use_bias: bool = True  # biases in the attention projections
     layer_norm_epsilon: float = 1e-6
+    # A lexical shortcut to the softmax (Nguyen & Chiang 2018): one attention head from
+    # the decoder's output over the encoder output reads the *source token embeddings*,
+    # and a linear map of that (zero at the start) is added to the decoder output before
+    # the logits. With tied embeddings it lets the model predict "the translation of the
+    # source word it attends to" directly. Needs the source embedding table (tied src_tgt/all).
+    lexical_shortcut: bool = False
 
     # Sparse self-attention (components/sparse.py has the spec grammar).
     attention_pattern: str = "dense"  # dense | bigbird | local:window=128+global:first=1 | ...
@@ -180,6 +186,12 @@ def _validate(c: ModelConfig) -> None:
     _check_choice("positional", c.positional, POSITIONALS)
     _check_choice("tie_embeddings", c.tie_embeddings, TIE_EMBEDDINGS)
     _check_choice("activation", c.activation, ACTIVATIONS)
+    if c.lexical_shortcut and c.tie_embeddings not in ("src_tgt", "all"):
+        raise ConfigError(
+            f"model.lexical_shortcut reads the shared source embeddings, but "
+            f"tie_embeddings={c.tie_embeddings!r} gives the encoder its own table; "
+            "set tie_embeddings to src_tgt or all"
+        )
     if c.dropout_bits not in (8, 16, 32):
         raise ConfigError(
             f"model.dropout_bits={c.dropout_bits!r} is not allowed; choose 8, 16 or 32"

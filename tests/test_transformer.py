@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import LanguageModel, Transformer
+from flaxformer_lite.config import ConfigError
 from flaxformer_lite.architectures.transformer import shift_right
 
 SRC = jnp.array([[5, 6, 7, 8, 9, 0, 0], [11, 12, 13, 14, 15, 16, 17]])
@@ -265,3 +266,53 @@ def test_packing_needs_both_segmentations(tiny_config):
     params = _init(model, SRC, TGT)
     with pytest.raises(ValueError, match="both inputs_segmentation and targets_segmentation"):
         model.apply({"params": params}, SRC, TGT, inputs_segmentation=jnp.ones_like(SRC))
+
+
+def _with_live_shortcut(params):
+    """The lexical shortcut's output map starts at zero; give it weights to test."""
+    lexical = params["decoder"]["lexical"]
+    live = jax.tree.map(lambda x: jax.random.normal(jax.random.key(7), x.shape) * 0.3, lexical)
+    return {**params, "decoder": {**params["decoder"], "lexical": live}}
+
+
+def test_lexical_shortcut_starts_as_the_model_without_it(tiny_config):
+    plain = Transformer(tiny_config.replace(ln_position="pre"))
+    lexical = Transformer(tiny_config.replace(ln_position="pre", lexical_shortcut=True))
+    params = _init(lexical, SRC, TGT)
+    assert set(params["decoder"]["lexical"]) == {"query", "key", "out"}
+    without = {**params, "decoder": {k: v for k, v in params["decoder"].items() if k != "lexical"}}
+    np.testing.assert_array_equal(
+        lexical.apply({"params": params}, SRC, TGT), plain.apply({"params": without}, SRC, TGT)
+    )
+    # Once it has weights, the logits depend on the source tokens' embeddings through it.
+    live = _with_live_shortcut(params)
+    assert not np.allclose(
+        lexical.apply({"params": live}, SRC, TGT), plain.apply({"params": without}, SRC, TGT)
+    )
+    with pytest.raises(ConfigError, match="lexical_shortcut reads the shared source embeddings"):
+        tiny_config.replace(lexical_shortcut=True, tie_embeddings="tgt_softmax")
+
+
+@pytest.mark.parametrize("ln_position", ["post", "pre"])
+def test_lexical_shortcut_cached_equals_full_and_packed_equals_padded(tiny_config, ln_position):
+    model = Transformer(tiny_config.replace(ln_position=ln_position, lexical_shortcut=True))
+    params = _with_live_shortcut(_init(model, SRC, TGT))
+    full = model.apply({"params": params}, SRC, TGT)
+    cached = _cached_decode(model, params, SRC, TGT)
+    real = np.asarray(TGT != 0)
+    np.testing.assert_allclose(
+        np.asarray(cached)[real], np.asarray(full)[real], rtol=1e-5, atol=1e-5
+    )
+    s1, t1, s2, t2 = [5, 6, 7, 1], [20, 21, 1], [8, 9, 1], [22, 23, 24, 1]
+    packed = model.apply(
+        {"params": params},
+        jnp.array([s1 + s2 + [0]]),
+        jnp.array([t1 + t2 + [0]]),
+        inputs_positions=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0]]),
+        targets_positions=jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]]),
+        inputs_segmentation=jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]]),
+        targets_segmentation=jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]]),
+    )
+    padded = model.apply({"params": params}, jnp.array([s1, s2 + [0]]), jnp.array([t1 + [0], t2]))
+    np.testing.assert_allclose(packed[0, :3], padded[0, :3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[0, 3:7], padded[1, :4], rtol=1e-5, atol=1e-5)

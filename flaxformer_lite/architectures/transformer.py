@@ -36,6 +36,7 @@ from flaxformer_lite.components.masks import (
     make_padding_mask,
     make_segment_mask,
 )
+from flaxformer_lite.components.attention import attention_weights
 from flaxformer_lite.components.multihead import MultiHeadAttention
 from flaxformer_lite.config import ModelConfig
 
@@ -195,6 +196,60 @@ class Encoder(nn.Module):
         return x
 
 
+class LexicalShortcut(nn.Module):
+    """``W_out (sum_i a_i e(x_i))``: attention weights ``a`` from the decoder output
+    over the encoder output, applied to the source token embeddings ``e(x_i)``
+    (without positions). ``W_out`` starts at zero, so the model starts as without it;
+    the decoder adds the result, after residual dropout, to its output before the logits.
+
+    Decoding keeps the keys and embedded source in the 'cache' collection, written
+    on the step that brings the encoder output (like cross-attention)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        encoded: Array | None,
+        source_embedded: Array,
+        mask: Array | None,
+        *,
+        decode: bool = False,
+    ) -> Array:
+        c = self.config
+
+        def dense(name, init=nn.initializers.xavier_uniform()):
+            return nn.Dense(
+                c.d_model,
+                use_bias=False,
+                dtype=c.compute_dtype,
+                param_dtype=c.parameter_dtype,
+                kernel_init=init,
+                name=name,
+            )
+
+        project_key = dense("key")
+        if decode and encoded is None:
+            if not self.has_variable("cache", "lexical_key"):
+                raise ValueError(
+                    "lexical shortcut cache is empty: call the decoder once with the encoder "
+                    "output before decoding with encoded=None"
+                )
+            key = self.variables["cache"]["lexical_key"]
+        else:
+            if encoded is None:
+                raise ValueError("the lexical shortcut needs the encoder output")
+            key = project_key(encoded)
+            if decode:
+                self.variable("cache", "lexical_key", lambda: key).value = key
+        query = dense("query")(x)
+        # One head: [b, t, m] x [b, s, m] -> [b, 1, t, s].
+        weights = attention_weights(query[:, :, None, :], key[:, :, None, :], mask)
+        context = jnp.einsum("bqk,bkm->bqm", weights[:, 0], source_embedded.astype(x.dtype))
+        return dense("out", nn.initializers.zeros)(context)
+
+
 class Decoder(nn.Module):
     """Embedding + positions + N decoder layers (+ final LN) + output projection."""
 
@@ -214,8 +269,12 @@ class Decoder(nn.Module):
         *,
         deterministic: bool = True,
         decode: bool = False,
+        source_embedded: Array | None = None,
     ) -> Array:
-        """``tokens [b, t]`` are the decoder inputs (already shifted); returns ``[b, t, V]``."""
+        """``tokens [b, t]`` are the decoder inputs (already shifted); returns ``[b, t, V]``.
+
+        ``source_embedded [b, s, m]``: the source token embeddings, for the lexical
+        shortcut (``config.lexical_shortcut``)."""
         c = self.config
         embed = self.embedding if self.embedding is not None else _make_embed(c, "embed")
         if decode:
@@ -231,6 +290,15 @@ class Decoder(nn.Module):
             )
         if c.ln_position == "pre":
             x = _layer_norm(c, "final_norm")(x)
+        if c.lexical_shortcut and self.has_cross_attention:
+            if source_embedded is None:
+                raise ValueError("config.lexical_shortcut needs source_embedded")
+            lexical = LexicalShortcut(c, name="lexical")(
+                x, encoded, source_embedded, cross_mask, decode=decode
+            )
+            x = x + Dropout(c.residual_dropout, c.dropout_bits)(
+                lexical, deterministic=deterministic
+            )
         if self.tie_output:
             logits = embed.attend(x)
         else:
@@ -265,6 +333,7 @@ class Transformer(nn.Module):
         c = self.config
         tie = c.tie_embeddings
         shared = _make_embed(c, "shared_embedding") if tie in ("src_tgt", "all") else None
+        self.shared_embedding = shared
         self.encoder = Encoder(c, embedding=shared)
         self.decoder = Decoder(c, embedding=shared, tie_output=tie in ("tgt_softmax", "all"))
 
@@ -334,6 +403,9 @@ class Transformer(nn.Module):
                 )
             if c.sparse_attention:  # token ids; causality comes from the causal pattern
                 self_mask = SegmentIds.from_tokens(targets, targets_segmentation, c.pad_id)
+        source_embedded = None
+        if c.lexical_shortcut:
+            source_embedded = self.shared_embedding(inputs)
         return self.decoder(
             encoded,
             decoder_inputs,
@@ -342,6 +414,7 @@ class Transformer(nn.Module):
             targets_positions,
             deterministic=deterministic,
             decode=decode,
+            source_embedded=source_embedded,
         )
 
     def __call__(
