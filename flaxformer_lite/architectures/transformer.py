@@ -202,8 +202,9 @@ class LexicalShortcut(nn.Module):
     (without positions). ``W_out`` starts at zero, so the model starts as without it;
     the decoder adds the result, after residual dropout, to its output before the logits.
 
-    Decoding keeps the keys and embedded source in the 'cache' collection, written
-    on the step that brings the encoder output (like cross-attention)."""
+    Decoding keeps the keys in the 'cache' collection, written on the step that
+    brings the encoder output (like cross-attention); the source embeddings are
+    looked up again each step (a gather of ``[b, s, m]``)."""
 
     config: ModelConfig
 
