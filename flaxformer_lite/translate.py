@@ -170,6 +170,12 @@ class Translator:
             bad = [i for i, s in enumerate(sentences) if not isinstance(s, str)]
             if bad:
                 raise TranslateError(f"sentence {bad[0]} is not a string")
+            blank = [i for i, s in enumerate(sentences) if not s.strip()]
+            warnings.warn(
+                f"{len(blank)} of {len(sentences)} sentences are empty or blank (the first is "
+                f"sentence {blank[0]}); each translates to '' so the outputs stay in line",
+                stacklevel=2,
+            )
         encoded = self._encode([sentences[i] for i in todo])
         c = self.config
         for idx, rows, longest in self._batches(encoded):

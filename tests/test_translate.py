@@ -36,7 +36,9 @@ def test_translate_returns_strings_in_order(run):
     workdir, _ = run
     t = Translator.from_workdir(workdir)
     assert t.checkpoint.startswith("best checkpoint")
-    out = t.translate(["This is sentence number 3.", "", "   ", "This is sentence number 4."])
+    sentences = ["This is sentence number 3.", "", "   ", "This is sentence number 4."]
+    with pytest.warns(UserWarning, match="2 of 4 sentences are empty or blank .*sentence 1"):
+        out = t.translate(sentences)
     assert len(out) == 4 and all(isinstance(s, str) for s in out)
     assert out[1] == "" and out[2] == ""
     assert t.translate(["This is sentence number 3."], beam_size=1) == t.translate(
