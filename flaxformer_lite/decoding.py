@@ -245,8 +245,15 @@ def beam_search(
     eos_id: int,
     bos_id: int,
     no_repeat_ngram: int = 0,
+    min_lengths: Array | None = None,
+    max_lengths: Array | None = None,
 ) -> tuple[Array, Array]:
     """Beam search with length penalty; returns (``[b, k, t]`` ids, ``[b, k]`` scores).
+
+    ``min_lengths`` / ``max_lengths`` (``[b]`` ints, optional): per-sentence bounds on
+    the number of tokens before EOS; EOS is forbidden before the minimum and forced
+    at the maximum (which ``max_length`` still caps). They let a translator tie the
+    output length to the source length, e.g. at least half of it.
 
     ``no_repeat_ngram`` = n > 0 forbids any hypothesis to contain the same n
     tokens twice (a guard against an undertrained model's loops such as
@@ -276,9 +283,18 @@ def beam_search(
         )
         logits, cache = stepper(cache, last.reshape(b * k, 1), encoded)
         logp = jax.nn.log_softmax(logits).reshape(b, k, v)
+        eos_logp = logp[..., eos_id : eos_id + 1]  # before any ban
         if no_repeat_ngram > 0:
             banned = repeated_ngram_mask(live_seqs, i, no_repeat_ngram, v)
             logp = jnp.where(banned, NEG_INF, logp)
+        if min_lengths is not None:
+            too_short = (i < min_lengths)[:, None]
+            logp = logp.at[..., eos_id].set(jnp.where(too_short, NEG_INF, logp[..., eos_id]))
+        if max_lengths is not None:
+            at_limit = (i >= max_lengths)[:, None, None]
+            only_eos = jnp.arange(v) == eos_id
+            # A forced EOS costs what the model gives it, even where an n-gram ban hit it.
+            logp = jnp.where(at_limit, jnp.where(only_eos, eos_logp, NEG_INF), logp)
         cand = (live_logp[..., None] + logp).reshape(b, k * v)
         top_logp, top_idx = lax.top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
         beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)

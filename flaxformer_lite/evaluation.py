@@ -62,6 +62,8 @@ def evaluate_workdir(
     num_examples: int = 5,
     limit: int = 0,
     no_repeat_ngram: int = 0,
+    min_length_ratio: float = 0.0,
+    max_length_ratio: float = 0.0,
 ) -> Scores:
     """Translate a split of the run's dataset, score it, write the translations.
 
@@ -85,8 +87,9 @@ def evaluate_workdir(
         pairs = pairs[:limit]
     sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
     start = time.perf_counter()
+    bounds = {"min_length_ratio": min_length_ratio, "max_length_ratio": max_length_ratio}
     hypotheses = translator.translate(
-        sources, beam_size=beam_size, alpha=alpha, no_repeat_ngram=no_repeat_ngram
+        sources, beam_size=beam_size, alpha=alpha, no_repeat_ngram=no_repeat_ngram, **bounds
     )
     seconds = time.perf_counter() - start
     scores = corpus_scores(hypotheses, references)
@@ -102,6 +105,7 @@ def evaluate_workdir(
                 "beam_size": beam_size,
                 "alpha": alpha,
                 "no_repeat_ngram": no_repeat_ngram,
+                **bounds,
                 "checkpoint": translator.checkpoint,
                 "seconds": seconds,
             },
@@ -112,6 +116,8 @@ def evaluate_workdir(
         f"{d.dataset} {split} ({d.source_lang}->{d.target_lang}, beam {beam_size}, "
         f"alpha {alpha}"
         + (f", no repeated {no_repeat_ngram}-grams" if no_repeat_ngram else "")
+        + (f", min length {min_length_ratio} x source" if min_length_ratio else "")
+        + (f", max length {max_length_ratio} x source + 5" if max_length_ratio else "")
         + f", {translator.checkpoint}, {seconds:.0f} s):"
     )
     print(f"  {scores.line()}")

@@ -33,6 +33,12 @@ _ALPHA = flags.DEFINE_float("alpha", 0.6, "translate/evaluate: length penalty ex
 _NO_REPEAT = flags.DEFINE_integer(
     "no_repeat_ngram", 0, "translate/evaluate: forbid repeating any n tokens (0 = off)."
 )
+_MIN_RATIO = flags.DEFINE_float(
+    "min_length_ratio", 0.0, "translate/evaluate: outputs get >= ratio x source pieces (0 = off)."
+)
+_MAX_RATIO = flags.DEFINE_float(
+    "max_length_ratio", 0.0, "translate/evaluate: outputs get <= ratio x source pieces + 5."
+)
 _INPUT = flags.DEFINE_string("input", None, "translate: a file of sentences, one per line.")
 _SPLIT = flags.DEFINE_string("split", "test", "evaluate: the dataset split to translate.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate: only the first N sentences (0 = all).")
@@ -79,6 +85,8 @@ def main(argv: list[str]) -> None:
                 _ALPHA.value,
                 _INPUT.value,
                 _NO_REPEAT.value,
+                min_length_ratio=_MIN_RATIO.value,
+                max_length_ratio=_MAX_RATIO.value,
             )
         elif command == "evaluate":
             from flaxformer_lite.evaluation import evaluate_workdir
@@ -90,6 +98,8 @@ def main(argv: list[str]) -> None:
                 alpha=_ALPHA.value,
                 limit=_LIMIT.value,
                 no_repeat_ngram=_NO_REPEAT.value,
+                min_length_ratio=_MIN_RATIO.value,
+                max_length_ratio=_MAX_RATIO.value,
             )
     except (
         ConfigError,

@@ -146,11 +146,18 @@ class Translator:
         alpha: float = 0.6,
         max_length: int | None = None,
         no_repeat_ngram: int = 0,
+        min_length_ratio: float = 0.0,
+        max_length_ratio: float = 0.0,
     ) -> list[str]:
         """Translations of ``sentences`` (empty or blank sentences give '').
 
         ``no_repeat_ngram`` = n > 0: no output repeats n tokens (beam search, also
         with ``beam_size=1``, which then equals greedy decoding under that rule).
+        ``min_length_ratio`` = r > 0: an output has at least ``floor(r * n)`` pieces
+        for a source of ``n`` pieces; ``max_length_ratio`` = r > 0: at most
+        ``ceil(r * n) + 5`` (beam search; 0 = off). A weak model's beam prefers short
+        outputs, which BLEU's brevity penalty charges for; and a large ``alpha``
+        alone lets some outputs run on to ``max_length``.
         """
         if isinstance(sentences, str):
             raise TranslateError("translate() takes a list of sentences, not one string")
@@ -164,6 +171,17 @@ class Translator:
             raise TranslateError(
                 f"no_repeat_ngram={no_repeat_ngram!r} must be an integer >= 0 (0 = off)"
             )
+        for name, value in (
+            ("min_length_ratio", min_length_ratio),
+            ("max_length_ratio", max_length_ratio),
+        ):
+            if not (isinstance(value, int | float) and 0 <= value < 100):
+                raise TranslateError(f"{name}={value!r} must be a number >= 0 (0 = off)")
+        if max_length_ratio and min_length_ratio > max_length_ratio:
+            raise TranslateError(
+                f"min_length_ratio={min_length_ratio} exceeds max_length_ratio={max_length_ratio}"
+            )
+        bounded = bool(min_length_ratio or max_length_ratio)
         results = [""] * len(sentences)
         todo = [i for i, s in enumerate(sentences) if isinstance(s, str) and s.strip()]
         if len(todo) < len(sentences):
@@ -180,7 +198,19 @@ class Translator:
         c = self.config
         for idx, rows, longest in self._batches(encoded):
             limit = max_length or min(longest + self.max_extra, c.max_len)
-            if beam_size == 1 and not no_repeat_ngram:
+            bounds = {}
+            if bounded:
+                # Source pieces, EOS excluded; padding rows get no bounds.
+                n = np.asarray([len(encoded[i]) - 1 for i in idx] + [0] * (len(rows) - len(idx)))
+                if min_length_ratio:
+                    bounds["min_lengths"] = jnp.asarray(
+                        np.minimum(np.floor(min_length_ratio * n), limit - 1), jnp.int32
+                    )
+                if max_length_ratio:
+                    bounds["max_lengths"] = jnp.asarray(
+                        np.ceil(max_length_ratio * n) + 5, jnp.int32
+                    )
+            if beam_size == 1 and not no_repeat_ngram and not bounded:
                 ids = decoding.sample(
                     self.model,
                     self.params,
@@ -200,6 +230,7 @@ class Translator:
                     eos_id=c.eos_id,
                     bos_id=c.bos_id,
                     no_repeat_ngram=no_repeat_ngram,
+                    **bounds,
                 )
                 ids = ids[:, 0]
             for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
@@ -214,6 +245,8 @@ def main(
     alpha: float,
     input_file: str | None = None,
     no_repeat_ngram: int = 0,
+    min_length_ratio: float = 0.0,
+    max_length_ratio: float = 0.0,
 ) -> int:
     translator = Translator.from_workdir(workdir)
     if input_file:
@@ -228,7 +261,12 @@ def main(
             )
         sentences = [line.rstrip("\n") for line in sys.stdin]
     for line in translator.translate(
-        sentences, beam_size=beam_size, alpha=alpha, no_repeat_ngram=no_repeat_ngram
+        sentences,
+        beam_size=beam_size,
+        alpha=alpha,
+        no_repeat_ngram=no_repeat_ngram,
+        min_length_ratio=min_length_ratio,
+        max_length_ratio=max_length_ratio,
     ):
         print(line)
     return 0

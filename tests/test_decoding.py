@@ -126,6 +126,49 @@ def test_beam_search_without_repeated_ngrams(model_params):
     assert plain_repeats > 0  # the rule had something to forbid
 
 
+def _ended_lengths(beams):
+    """Tokens before EOS for every hypothesis (the whole row if it never ends)."""
+    out = np.zeros(beams.shape[:2], int)
+    for idx in np.ndindex(*beams.shape[:2]):
+        seq = np.asarray(beams[idx]).tolist()
+        out[idx] = seq.index(1) if 1 in seq else len(seq)
+    return out
+
+
+def test_beam_search_length_bounds(model_params):
+    model, params = model_params
+    kw = dict(beam_size=4, alpha=0.6, max_length=16, eos_id=1, bos_id=2)
+    free, free_scores = decoding.beam_search(model, params, SRC, **kw)
+    free_len = _ended_lengths(free)  # [16, x, x]: this random model's row 0 never ends
+    # Bounds that cannot bind leave the search unchanged.
+    same, same_scores = decoding.beam_search(
+        model,
+        params,
+        SRC,
+        min_lengths=jnp.zeros(3, jnp.int32),
+        max_lengths=jnp.full(3, 40, jnp.int32),
+        **kw,
+    )
+    np.testing.assert_array_equal(same, free)
+    np.testing.assert_allclose(same_scores, free_scores)
+    # Bounds that bind: every hypothesis of row b has between lo[b] and hi[b] tokens.
+    lo = np.array([5, 0, 3])
+    hi = np.array([7, 2, 6])
+    assert (free_len[:, 0] > hi).any() or (free_len[:, 0] < lo).any(), "bounds must bind"
+    beams, scores = decoding.beam_search(
+        model, params, SRC, min_lengths=jnp.asarray(lo), max_lengths=jnp.asarray(hi), **kw
+    )
+    got = _ended_lengths(beams)
+    assert (got >= lo[:, None]).all() and (got <= hi[:, None]).all(), (got, lo, hi)
+    assert (np.asarray(beams)[np.arange(3)[:, None], np.arange(4), got] == 1).all(), "EOS ends each"
+    assert (np.diff(np.asarray(scores), axis=1) <= 1e-6).all()
+    for b in range(3):  # scores stay the model's own (a forced EOS is not free)
+        seq = np.asarray(beams[b, 0]).tolist()
+        assert _score(model, params, SRC[b], seq, 0.6) == pytest.approx(
+            float(scores[b, 0]), abs=1e-3
+        )
+
+
 def test_sampling_seeds_and_zero_temperature(model_params):
     model, params = model_params
     kw = dict(max_length=12, eos_id=1, bos_id=2)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite import decoding
 from flaxformer_lite.data.builders import build_local_dataset
 from flaxformer_lite.evaluation import evaluate_workdir
 from flaxformer_lite.training.train import train_and_evaluate
@@ -46,7 +47,7 @@ def test_translate_returns_strings_in_order(run):
     )
 
 
-def test_bad_input_messages(run):
+def test_bad_input_messages(run, monkeypatch):
     workdir, _ = run
     t = Translator.from_workdir(workdir)
     with pytest.raises(TranslateError, match="beam_size=0 must be an integer >= 1"):
@@ -55,6 +56,27 @@ def test_bad_input_messages(run):
         t.translate(["a b c"], alpha=-1)
     with pytest.raises(TranslateError, match="no_repeat_ngram=-2 must be an integer >= 0"):
         t.translate(["a b c"], no_repeat_ngram=-2)
+    with pytest.raises(TranslateError, match="min_length_ratio=-0.5 must be a number >= 0"):
+        t.translate(["a b c"], min_length_ratio=-0.5)
+    with pytest.raises(TranslateError, match="min_length_ratio=2 exceeds max_length_ratio=1"):
+        t.translate(["a b c"], min_length_ratio=2, max_length_ratio=1)
+    # Length bounds tied to the source: the search gets floor(0.5 n) and ceil(1.5 n) + 5
+    # for a source of n pieces (their effect on the search: tests/test_decoding.py).
+    seen = {}
+    real = decoding.beam_search
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "beam_search", spy)
+    n = len(t.tokenizer.encode("a b c d e")) - 1
+    assert isinstance(
+        t.translate(["a b c d e"], beam_size=2, min_length_ratio=0.5, max_length_ratio=1.5)[0], str
+    )
+    assert int(seen["min_lengths"][0]) == n // 2
+    assert int(seen["max_lengths"][0]) == -(-3 * n // 2) + 5
+    monkeypatch.undo()
     # Greedy under the no-repeat rule runs as a beam of one.
     assert t.translate(["a b c"], beam_size=1, no_repeat_ngram=2)[0] is not None
     with pytest.raises(TranslateError, match="a list of sentences, not one string"):
