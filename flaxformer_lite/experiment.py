@@ -382,3 +382,37 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None) -> ml_col
             if config.optimizer.cooldown_steps:
                 config.optimizer.cooldown_steps = 2
     return config
+
+
+def load_config(
+    path: str, arg: str | None = None, overrides: dict | None = None
+) -> ml_collections.ConfigDict:
+    """The config of ``configs/x.py`` (its ``get_config(arg)``) with ``overrides``
+    applied, for notebooks and scripts: ``load_config("configs/ende_small.py",
+    "debug", {"train.num_steps": 20})`` is ``--config=configs/ende_small.py:debug
+    --config.train.num_steps=20``. An unknown field or a missing file is a ConfigError."""
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path!r} not found; pass e.g. 'configs/ende_small.py'")
+    spec = importlib.util.spec_from_file_location(f"config_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} has no get_config(arg) function")
+    config = module.get_config(arg)
+    for key, value in (overrides or {}).items():
+        section, _, name = key.partition(".")
+        if section not in config or not name or name not in config[section]:
+            raise ConfigError(
+                f"unknown config field {key!r}; fields look like 'train.num_steps' "
+                "(see flaxformer_lite/experiment.py and flaxformer_lite/config.py)"
+            )
+        try:
+            config[section][name] = value
+        except TypeError as e:
+            raise ConfigError(f"config.{key}={value!r} has the wrong type ({e})") from None
+    validate_experiment(config)
+    return config

@@ -56,13 +56,11 @@ def layers_to_cover(pattern: Pattern, length: int, max_layers: int = 64) -> int 
 
 def plot_pattern(pattern: Pattern, length: int, path: str | Path, title: str | None = None):
     """PNG of the ``[length, length]`` attention matrix (black = attends)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
     mask = pattern.mask(length)
-    fig, ax = plt.subplots(figsize=(4, 4), dpi=100)
+    fig = Figure(figsize=(4, 4), dpi=100)
+    ax = fig.subplots()
     ax.imshow(mask, cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
     ax.set_title(title or f"{_label(pattern)}  (density {mask.mean():.2f})", fontsize=8)
     ax.set_xlabel("key j")
@@ -71,7 +69,6 @@ def plot_pattern(pattern: Pattern, length: int, path: str | Path, title: str | N
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
@@ -85,16 +82,14 @@ def plot_receptive_field(
 ):
     """PNG: for one output position (default the middle), which inputs reach it
     after 1..num_layers layers (rows = layers), with the coverage per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     field = receptive_field(pattern, length, num_layers)
     i = length // 2 if query is None else query
     rows = field[:, i, :]
     cov = field.mean(axis=(1, 2))
-    fig, ax = plt.subplots(figsize=(6, 0.35 * num_layers + 1.2), dpi=100)
+    fig = Figure(figsize=(6, 0.35 * num_layers + 1.2), dpi=100)
+    ax = fig.subplots()
     ax.imshow(rows, cmap="Blues", aspect="auto", interpolation="nearest", vmin=0, vmax=1)
     ax.set_yticks(range(num_layers), [f"L{l + 1} ({c:.0%})" for l, c in enumerate(cov)], fontsize=7)
     ax.set_xlabel(f"input position (output {i})")
@@ -103,7 +98,6 @@ def plot_receptive_field(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
