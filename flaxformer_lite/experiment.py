@@ -46,6 +46,10 @@ EXPERIMENT_SECTIONS = {
         "pack": bool,
         "stream": bool,  # lm only: read the split as one running text cut into max_length rows
         "tokenizer_max_sentences": int,
+        # >0: subword regularization (Kudo 2018): every epoch each training pair gets a
+        # segmentation sampled from the unigram model with this smoothing (smaller = more
+        # varied; 0.1 is very noisy, 0.5 nearly the best segmentation); 0 = off
+        "subword_alpha": float,
     },
     "train": {
         "seed": int,
@@ -88,7 +92,7 @@ EXPERIMENT_SECTIONS = {
 }
 # Fields added after runs were saved: a saved config without them means these values.
 ADDED_FIELDS = {
-    "data": {"aux_min_count": 0, "aux_tag": "", "reverse_tag": ""},
+    "data": {"aux_min_count": 0, "aux_tag": "", "reverse_tag": "", "subword_alpha": 0.0},
     "train": {"concurrent_splits": 1, "embedding_init": "random", "embedding_init_splits": ""},
     "optimizer": {"ema_decay": 0.0, "embedding_lr_scale": 1.0, "cooldown_steps": 0},
 }
@@ -184,6 +188,16 @@ def validate_experiment(config) -> ModelConfig:
     if d.task not in TASKS:
         raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
     parse_train_splits(d.train_splits)
+    if not 0.0 <= d.subword_alpha <= 1.0:
+        raise ConfigError(
+            f"config.data.subword_alpha={d.subword_alpha} must be in [0, 1] (0 = off; "
+            "Kudo 2018 uses 0.1-0.5)"
+        )
+    if d.subword_alpha and d.stream:
+        raise ConfigError(
+            "config.data.subword_alpha needs sentence pairs; it does not apply to "
+            "data.stream=True (running text); set it to 0"
+        )
     if d.aux_min_count < 0:
         raise ConfigError(
             f"config.data.aux_min_count={d.aux_min_count} must be >= 0 (0 keeps every pair)"
@@ -303,6 +317,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "pack": True,
             "stream": False,
             "tokenizer_max_sentences": 1_000_000,
+            "subword_alpha": 0.0,
         }
     )
     config.train = ml_collections.ConfigDict(

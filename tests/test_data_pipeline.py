@@ -187,6 +187,65 @@ def test_epochs_reshuffle_and_processes_are_disjoint():
         pipeline.train_iterator(exs[:3], batch_size=4, max_length=24, seed=0)
 
 
+def _same_examples(a, b):
+    return len(a) == len(b) and all(
+        np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x
+    )
+
+
+def _sampler(tokenizer, n=40, max_length=64):
+    texts = [(f"This is sentence number {i}.", f"Das ist Satz Nummer {i}.") for i in range(n)]
+    kept = []
+    best, _ = pipeline.tokenize_pairs(texts, tokenizer, max_length=64, kept_texts=kept)
+    assert kept == texts
+    sampler = pipeline.SubwordSampler(kept, best, tokenizer, 0.1, max_length, seed=0)
+    return texts, best, sampler
+
+
+def test_subword_sampling_varies_by_epoch_and_keeps_the_text(tokenizer):
+    texts, best, sampler = _sampler(tokenizer)
+    e0, e1 = sampler(1), sampler(2)
+    assert _same_examples(e0, sampler(1)), "the same epoch gives the same segmentations"
+    assert not _same_examples(e0, e1) and not _same_examples(e0, best)
+    for ex, (src, tgt) in zip(e1, texts, strict=True):
+        assert tokenizer.decode(ex["inputs"]) == src and tokenizer.decode(ex["targets"]) == tgt
+        assert ex["inputs"][-1] == EOS_ID and ex["targets"][-1] == EOS_ID
+    # A sample longer than max_length falls back to the best segmentation.
+    limit = max(max(len(e["inputs"]), len(e["targets"])) for e in best)
+    _, _, tight = _sampler(tokenizer, max_length=limit)
+    capped = tight(1)
+    assert all(max(len(e["inputs"]), len(e["targets"])) <= limit for e in capped)
+    assert any(_same_examples([c], [b]) for c, b in zip(capped, best, strict=True))
+    with pytest.raises(ValueError, match="3 texts for 40 examples"):
+        pipeline.SubwordSampler(texts[:3], best, tokenizer, 0.1, 64, seed=0)
+
+
+def test_subword_sampled_batches_resume_exactly(tokenizer):
+    texts, best, sampler = _sampler(tokenizer)
+    kw = dict(batch_size=2, max_length=32, seed=3, resample=sampler)
+    it = pipeline.train_iterator(best, **kw)
+    first = next(it)
+    seen = set()
+    for _ in range(12):  # several epochs
+        b = next(it)
+        for row, seg in zip(b["targets"], b["targets_segment_ids"], strict=True):
+            for s in set(seg) - {0}:
+                seen.add(tokenizer.decode(row[seg == s]))
+    assert seen <= {t for _, t in texts}, "packed samples decode to the training targets"
+    state = it.get_state()
+    expected = [next(it) for _ in range(4)]
+    it.close()
+    again = pipeline.train_iterator(best, **kw)
+    again.set_state(state)
+    for want in expected:
+        got = next(again)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    again.close()
+    plain = pipeline.train_iterator(best, **{**kw, "resample": None})
+    assert not np.array_equal(next(plain)["targets"], first["targets"])
+    plain.close()
+
+
 def test_packed_loss_equals_padded_loss():
     """The same examples packed several to a row or padded one per row: same loss sums."""
     c = ModelConfig(

@@ -517,11 +517,17 @@ def test_config_errors_come_before_data(tmp_path):
         ("data", "aux_tag", "dict", "aux_tag='dict' needs a translation task and the form <name>"),
         ("data", "aux_tag", "<two words>", "the form <name>"),
         ("data", "reverse_tag", "2en", "reverse_tag='2en' needs a translation task"),
+        ("data", "subword_alpha", -0.1, r"subword_alpha=-0.1 must be in \[0, 1\]"),
+        ("data", "subword_alpha", 1.5, r"subword_alpha=1.5 must be in \[0, 1\]"),
     ):
         config = load_config()
         config[section][field] = value
         with pytest.raises(ConfigError, match=message):
             validate_experiment(config)
+    config = load_config("lm_long_sparse")
+    config.data.subword_alpha = 0.2
+    with pytest.raises(ConfigError, match="does not apply to data.stream=True"):
+        validate_experiment(config)
     bad = ml_collections.ConfigDict(load_config().to_dict())
     bad.train.extra = 1
     with pytest.raises(ConfigError, match=r"unknown fields \['extra'\]"):

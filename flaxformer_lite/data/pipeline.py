@@ -133,9 +133,11 @@ def tokenize_pairs(
     tokenizer: Tokenizer,
     max_length: int,
     too_long: str = "drop",
+    kept_texts: list | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], PipelineStats]:
     """Token ids (+EOS) of each (source, target) pair, or of each (text,) for a language
-    model (feature ``targets`` only); entries over ``max_length`` dropped or truncated."""
+    model (feature ``targets`` only); entries over ``max_length`` dropped or truncated.
+    ``kept_texts``, if given, receives the texts of the returned examples, in order."""
     if too_long not in TOO_LONG:
         raise ValueError(f"data.too_long={too_long!r} must be one of {', '.join(TOO_LONG)}")
     out, long_dropped, truncated, empty = [], 0, 0, 0
@@ -157,6 +159,8 @@ def tokenize_pairs(
                 for x in ids
             ]
         out.append(dict(zip(keys, ids, strict=True)))
+        if kept_texts is not None:
+            kept_texts.append(texts)
     return out, PipelineStats(len(out), long_dropped, truncated, empty)
 
 
@@ -174,6 +178,43 @@ def stream_rows(
     stream = np.concatenate(ids).astype(np.int32)
     rows = [{"targets": stream[i : i + max_length]} for i in range(0, len(stream), max_length)]
     return rows, PipelineStats(len(rows), 0, 0, empty)
+
+
+class SubwordSampler:
+    """Subword regularization (Kudo, 2018): epoch ``e``'s copy of the training
+    examples, each side segmented by sampling from the unigram model (smoothing
+    ``alpha``). Deterministic per (seed, epoch), so a resumed run sees the same
+    segmentations; an example whose sample exceeds ``max_length`` keeps its best
+    segmentation (``examples``)."""
+
+    def __init__(
+        self, texts, examples, tokenizer: Tokenizer, alpha: float, max_length: int, seed: int
+    ):
+        if len(texts) != len(examples):
+            raise ValueError(f"{len(texts)} texts for {len(examples)} examples")
+        self.texts, self.examples, self.tokenizer = texts, examples, tokenizer
+        self.alpha, self.max_length, self.seed = alpha, max_length, seed
+
+    def __call__(self, epoch: int) -> list[dict[str, np.ndarray]]:
+        import sentencepiece as spm
+
+        spm.set_random_generator_seed(
+            int(np.random.default_rng([self.seed, epoch]).integers(2**31))
+        )
+        sp, out = self.tokenizer.sp, []
+        for texts, example in zip(self.texts, self.examples, strict=True):
+            ids = [
+                np.asarray(
+                    sp.encode(t, enable_sampling=True, alpha=self.alpha, nbest_size=-1) + [EOS_ID],
+                    np.int32,
+                )
+                for t in texts
+            ]
+            if max(len(x) for x in ids) > self.max_length:
+                out.append(example)
+            else:
+                out.append(dict(zip(example, ids, strict=True)))
+        return out
 
 
 def _pad_batch(examples: Sequence[dict[str, np.ndarray]], length: int) -> dict[str, np.ndarray]:
@@ -236,7 +277,7 @@ class PackedBatchIterator(grain.DatasetIterator):
             plan = self._current_plan()
         rows = plan[self._batch]
         self._batch += 1
-        return self._ds.materialize(rows)
+        return self._ds.materialize(rows, self._epoch)
 
     def get_state(self) -> dict:
         return {"epoch": self._epoch, "batch": self._batch}
@@ -246,11 +287,26 @@ class PackedBatchIterator(grain.DatasetIterator):
 
 
 class PackedTrainDataset(grain.IterDataset):
-    """Training batches packed from pre-tokenized examples, reshuffled every epoch."""
+    """Training batches packed from pre-tokenized examples, reshuffled every epoch.
 
-    def __init__(self, examples, *, batch_size: int, max_length: int, seed: int, pack: bool):
+    ``resample``, if given, maps an epoch to that epoch's examples (the same pairs
+    in the same order, e.g. a :class:`SubwordSampler`); it is called once per epoch.
+    """
+
+    def __init__(
+        self,
+        examples,
+        *,
+        batch_size: int,
+        max_length: int,
+        seed: int,
+        pack: bool,
+        resample=None,
+    ):
         super().__init__()
         self.examples = examples
+        self.resample = resample
+        self._epoch_cache: tuple[int, list, np.ndarray] | None = None
         self.keys = tuple(examples[0])  # ("inputs", "targets") or ("targets",) for an LM
         self.lengths = np.array([[len(e[k]) for k in self.keys] for e in examples])
         self.batch_size, self.max_length, self.seed, self.pack = (
@@ -260,16 +316,28 @@ class PackedTrainDataset(grain.IterDataset):
             pack,
         )
 
+    def epoch_examples(self, epoch: int) -> tuple[list, np.ndarray]:
+        """(examples, their ``[n, features]`` lengths) of ``epoch``."""
+        if self.resample is None:
+            return self.examples, self.lengths
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            examples = self.resample(epoch)
+            lengths = np.array([[len(e[k]) for k in self.keys] for e in examples])
+            self._epoch_cache = (epoch, examples, lengths)
+        return self._epoch_cache[1], self._epoch_cache[2]
+
     def plan(self, epoch: int) -> list:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
         if self.pack:
-            return plan_epoch(self.lengths, order, self.batch_size, self.max_length)
+            lengths = self.epoch_examples(epoch)[1]
+            return plan_epoch(lengths, order, self.batch_size, self.max_length)
         n = len(order) // self.batch_size * self.batch_size
         return [
             [[int(i)] for i in order[s : s + self.batch_size]] for s in range(0, n, self.batch_size)
         ]
 
-    def materialize(self, rows: list[list[int]]) -> dict[str, np.ndarray]:
+    def materialize(self, rows: list[list[int]], epoch: int = 0) -> dict[str, np.ndarray]:
+        examples = self.epoch_examples(epoch)[0]
         shape = (self.batch_size, self.max_length)
         out = {}
         for key in self.keys:
@@ -279,7 +347,7 @@ class PackedTrainDataset(grain.IterDataset):
             for r, row in enumerate(rows):
                 start = 0
                 for s, idx in enumerate(row, start=1):
-                    ids = self.examples[idx][key]
+                    ids = examples[idx][key]
                     end = start + len(ids)
                     tokens[r, start:end] = ids
                     seg[r, start:end] = s
@@ -304,20 +372,31 @@ def train_iterator(
     process_index: int = 0,
     process_count: int = 1,
     prefetch: int = 4,
+    resample=None,
 ) -> grain.DatasetIterator:
     """An endless, checkpointable iterator of training batches (reshuffled every epoch).
 
     Each process takes every ``process_count``-th example; ``pack=False`` gives
     one pair per padded row (the baseline that packing is tested against).
+    ``resample`` (epoch -> all examples, e.g. a :class:`SubwordSampler`) is sharded
+    the same way.
     """
     shard = list(examples)[process_index::process_count]
+    if resample is not None:
+        full = resample
+        resample = lambda epoch: full(epoch)[process_index::process_count]  # noqa: E731
     if len(shard) < batch_size:
         raise ValueError(
             f"{len(shard)} training examples on this process cannot fill one batch of "
             f"{batch_size}; lower the batch size or add data"
         )
     ds: grain.IterDataset = PackedTrainDataset(
-        shard, batch_size=batch_size, max_length=max_length, seed=seed, pack=pack
+        shard,
+        batch_size=batch_size,
+        max_length=max_length,
+        seed=seed,
+        pack=pack,
+        resample=resample,
     )
     if prefetch > 0:
         ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)

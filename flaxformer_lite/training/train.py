@@ -55,6 +55,7 @@ class TranslationData:
     validation: list[dict[str, np.ndarray]]
     stats: dict[str, pipeline.PipelineStats]
     validation_texts: list[tuple[str, ...]]  # for BLEU during training
+    train_texts: list[tuple[str, ...]] | None = None  # of ``train``; for subword sampling
 
 
 def _features(d) -> tuple[str, ...]:
@@ -98,18 +99,24 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
     tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
     train_pairs += reversed_pairs  # after the tokenizer, which learns from one direction
+    train_texts: list | None = [] if d.subword_alpha and not d.stream else None
     if d.stream:  # one running text per split (in corpus order), cut into full rows
         train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
         validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
     else:
         train, train_stats = pipeline.tokenize_pairs(
-            train_pairs, tokenizer, d.max_length, d.too_long
+            train_pairs, tokenizer, d.max_length, d.too_long, kept_texts=train_texts
         )
         validation, eval_stats = pipeline.tokenize_pairs(
             eval_pairs, tokenizer, d.max_length, "truncate"
         )
     return TranslationData(
-        tokenizer, train, validation, {"train": train_stats, "validation": eval_stats}, eval_pairs
+        tokenizer,
+        train,
+        validation,
+        {"train": train_stats, "validation": eval_stats},
+        eval_pairs,
+        train_texts,
     )
 
 
@@ -210,6 +217,11 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         pack=d.pack,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
+        resample=pipeline.SubwordSampler(
+            data.train_texts, data.train, data.tokenizer, d.subword_alpha, d.max_length, t.seed
+        )
+        if data.train_texts is not None
+        else None,
     )
     checkpoints = ckpt_lib.Checkpoints(
         workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
