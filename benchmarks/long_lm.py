@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import statistics
 import sys
@@ -27,16 +26,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flaxformer_lite import experiment  # noqa: E402
 from flaxformer_lite.config import model_config_from  # noqa: E402
 from flaxformer_lite.training import steps  # noqa: E402
 from flaxformer_lite.training.state import build_model, create_train_state, make_optimizer  # noqa: E402
 
 
 def load_config():
-    spec = importlib.util.spec_from_file_location("c", ROOT / "configs" / "lm_long_sparse.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return experiment.load_config(str(ROOT / "configs" / "lm_long_sparse.py"))
 
 
 def compiled_step(config, pattern: str, length: int):

@@ -1,6 +1,5 @@
 """Config validation, presets (parameter counts), the ml_collections files."""
 
-import importlib.util
 import json
 import pathlib
 
@@ -10,6 +9,7 @@ import pytest
 
 from flaxformer_lite import PRESETS, ConfigError, LanguageModel, ModelConfig, Transformer
 from flaxformer_lite.config import get_preset, model_config_from
+from flaxformer_lite.experiment import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -141,10 +141,7 @@ def test_config_is_frozen_and_replace_validates():
 
 
 def _load_config_file(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config(str(ROOT / "configs" / f"{name}.py"))
 
 
 @pytest.mark.parametrize("name", ["paper_base", "paper_big"])

@@ -1,7 +1,6 @@
 """Training: schedules, loss, pmap == jit, resume, bad input, the CLI."""
 
 import functools
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -15,6 +14,7 @@ import optax
 import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite import experiment
 from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.config import ConfigError, ModelConfig
 from flaxformer_lite.data import cooccurrence, pipeline
@@ -44,10 +44,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config(name="ende_small", arg="debug"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return experiment.load_config(str(ROOT / "configs" / f"{name}.py"), arg)
 
 
 # Schedules and loss ------------------------------------------------------------------
