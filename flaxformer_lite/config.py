@@ -56,6 +56,11 @@ class ModelConfig:
     attention_dropout: float = 0.0  # on the attention weights
     ffn_dropout: float = 0.0  # on the FFN hidden activations
     dropout_bits: int = 8  # random bits per dropout draw: 8 (fast; rate rounded to k/256) | 32
+    # Word dropout (Gal & Ghahramani 2016; Sennrich & Zhang 2019 for small-data NMT): while
+    # training, each source / decoder-input token's embedding is replaced by zeros with this
+    # probability (its position encoding stays), so the model cannot lean on any one word.
+    source_token_dropout: float = 0.0
+    target_token_dropout: float = 0.0
 
     # Ablation hooks.
     score_fn: str = "scaled_dot"  # scaled_dot | dot | additive | bilinear | any registered name
@@ -175,7 +180,14 @@ def _validate(c: ModelConfig) -> None:
             f"model.d_model={c.d_model} is not divisible by model.num_heads={c.num_heads}; "
             "choose num_heads dividing d_model, or set model.d_k and model.d_v explicitly"
         )
-    for name in ("embedding_dropout", "residual_dropout", "attention_dropout", "ffn_dropout"):
+    for name in (
+        "embedding_dropout",
+        "residual_dropout",
+        "attention_dropout",
+        "ffn_dropout",
+        "source_token_dropout",
+        "target_token_dropout",
+    ):
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
             raise ConfigError(f"model.{name}={value!r} must be a rate in [0, 1)")

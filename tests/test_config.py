@@ -98,6 +98,7 @@ def test_paper_defaults():
         ("residual_dropout", 1.0, r"model.residual_dropout=1.0 must be a rate in \[0, 1\)"),
         ("embedding_dropout", -0.1, r"model.embedding_dropout=-0.1 must be a rate in \[0, 1\)"),
         ("attention_dropout", 1.5, r"model.attention_dropout=1.5 must be a rate"),
+        ("source_token_dropout", 1.0, r"model.source_token_dropout=1.0 must be a rate in \[0, 1\)"),
         ("ffn_dropout", "0.1", r"model.ffn_dropout='0.1' must be a rate"),
         ("layer_norm_epsilon", 0.0, r"model.layer_norm_epsilon=0.0 must be > 0"),
         ("eos_id", 0, r"model.eos_id=0 equals model.pad_id"),

@@ -7,6 +7,7 @@ import pytest
 
 from flaxformer_lite import LanguageModel, Transformer
 from flaxformer_lite.architectures.transformer import shift_right
+from flaxformer_lite.components.dropout import TokenDropout
 from flaxformer_lite.config import ConfigError
 
 SRC = jnp.array([[5, 6, 7, 8, 9, 0, 0], [11, 12, 13, 14, 15, 16, 17]])
@@ -243,6 +244,57 @@ def test_dropout_active_only_when_not_deterministic(tiny_config):
         rngs={"dropout": jax.random.key(2)},
     )
     assert not np.allclose(d1, det) and not np.allclose(d1, d2)
+
+
+def test_token_dropout_zeros_whole_vectors_without_rescaling():
+    x = jax.random.normal(jax.random.key(0), (4, 50, 8))
+    layer = TokenDropout(0.25, bits=32)
+    np.testing.assert_array_equal(layer.apply({}, x, deterministic=True), x)
+    y = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(1)}))
+    dropped = (y == 0).all(-1)
+    kept = (y == np.asarray(x)).all(-1)
+    assert (dropped | kept).all()  # each token vector is whole or zero, never rescaled
+    assert 0.15 < dropped.mean() < 0.35
+
+
+def test_source_token_dropout_reads_as_a_zero_embedding(tiny_config):
+    """Training with source word dropout == evaluating with the dropped source tokens
+    replaced by a token whose embedding is zero (all 2^7 drop sets enumerated)."""
+    c = tiny_config.replace(source_token_dropout=0.4)
+    model = Transformer(c)
+    src, tgt = SRC[1:], TGT[1:]
+    params = _init(model, src, tgt)
+    zero_id = 49
+    table = params["shared_embedding"]["embedding"]
+    params["shared_embedding"]["embedding"] = table.at[zero_id].set(0.0)
+    # Evaluation ignores the setting: same output as the model without it.
+    plain = Transformer(tiny_config).apply({"params": params}, src, tgt)
+    np.testing.assert_array_equal(model.apply({"params": params}, src, tgt), plain)
+    n = src.shape[1]
+    masks = (np.arange(2**n)[:, None] >> np.arange(n)) & 1  # 1 = dropped
+    variants = jnp.where(masks == 1, zero_id, src)
+    expected = model.apply({"params": params}, variants, jnp.repeat(tgt, 2**n, 0))
+    seen = set()
+    for k in range(12):
+        out = model.apply(
+            {"params": params}, src, tgt, deterministic=False, rngs={"dropout": jax.random.key(k)}
+        )
+        err = np.abs(np.asarray(expected) - np.asarray(out)).max(axis=(1, 2))
+        assert err.min() < 1e-5, err.min()
+        seen.add(int(err.argmin()))
+    assert len(seen) > 3  # different keys drop different tokens
+
+
+def test_target_token_dropout_changes_training_only(tiny_config):
+    c = tiny_config.replace(target_token_dropout=0.4)
+    model = Transformer(c)
+    params = _init(model, SRC, TGT)
+    det = model.apply({"params": params}, SRC, TGT)
+    np.testing.assert_array_equal(det, Transformer(tiny_config).apply({"params": params}, SRC, TGT))
+    train = model.apply(
+        {"params": params}, SRC, TGT, deterministic=False, rngs={"dropout": jax.random.key(0)}
+    )
+    assert not np.allclose(train, det)
 
 
 def test_attention_weights_are_observable(tiny_config):

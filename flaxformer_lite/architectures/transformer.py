@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite.components.dropout import Dropout
+from flaxformer_lite.components.dropout import Dropout, TokenDropout
 from flaxformer_lite.components.embedding import (
     Embed,
     LearnedPositions,
@@ -145,9 +145,14 @@ class DecoderLayer(nn.Module):
 
 
 def _embed_with_positions(
-    c: ModelConfig, embed: Embed, tokens: Array, positions: Array, deterministic: bool
+    c: ModelConfig,
+    embed: Embed,
+    tokens: Array,
+    positions: Array,
+    deterministic: bool,
+    token_dropout: float = 0.0,
 ) -> Array:
-    x = embed(tokens)
+    x = TokenDropout(token_dropout, c.dropout_bits)(embed(tokens), deterministic=deterministic)
     if c.positional == "sinusoidal":
         x = x + SinusoidalPositions(c.d_model, c.compute_dtype)(positions)
     elif c.positional == "learned":
@@ -188,7 +193,9 @@ class Encoder(nn.Module):
         embed = self.embedding if self.embedding is not None else _make_embed(c, "embed")
         if positions is None:
             positions = default_positions(*tokens.shape)
-        x = _embed_with_positions(c, embed, tokens, positions, deterministic)
+        x = _embed_with_positions(
+            c, embed, tokens, positions, deterministic, c.source_token_dropout
+        )
         for i in range(c.num_encoder_layers):
             x = EncoderLayer(c, layer=i, name=f"layer_{i}")(x, mask, deterministic=deterministic)
         if c.ln_position == "pre":
@@ -229,7 +236,9 @@ class Decoder(nn.Module):
             _check_length(c, tokens.shape[1], "target")
             if positions is None:
                 positions = default_positions(*tokens.shape)
-        x = _embed_with_positions(c, embed, tokens, positions, deterministic)
+        x = _embed_with_positions(
+            c, embed, tokens, positions, deterministic, c.target_token_dropout
+        )
         for i in range(c.num_decoder_layers):
             x = DecoderLayer(c, self.has_cross_attention, layer=i, name=f"layer_{i}")(
                 x, encoded, self_mask, cross_mask, deterministic=deterministic, decode=decode

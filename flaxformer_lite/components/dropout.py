@@ -57,3 +57,21 @@ class Dropout(nn.Module):
         if deterministic or self.rate <= 0.0:
             return x
         return dropout(x, self.rate, self.make_rng("dropout"), self.bits)
+
+
+class TokenDropout(nn.Module):
+    """Word dropout: zero whole token vectors ``x [..., t, d]`` with probability ``rate``.
+
+    Unlike ``Dropout`` the kept vectors are not rescaled: a dropped token reads as
+    "some word was here", not as noise around the expected embedding (Gal &
+    Ghahramani 2016). Uses the 'dropout' rng stream."""
+
+    rate: float
+    bits: int = 8
+
+    @nn.compact
+    def __call__(self, x: Array, *, deterministic: bool) -> Array:
+        if deterministic or self.rate <= 0.0:
+            return x
+        keep, _ = keep_mask(self.make_rng("dropout"), x.shape[:-1] + (1,), self.rate, self.bits)
+        return jnp.where(keep, x, jnp.zeros((), x.dtype))
