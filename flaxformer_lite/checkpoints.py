@@ -169,12 +169,28 @@ def restore_params(workdir: str | Path, target_params: Any, kind: str = "best") 
     return restored[item]["params"], step
 
 
-def restore_last_state(workdir: str | Path, target_state: Any) -> tuple[Any, int]:
-    """The whole train state of the newest ``last`` checkpoint, read-only; (state, step).
-    For what the parameters alone do not hold, such as their moving average."""
-    step = available(workdir, "last")
+def restore_last_state(
+    workdir: str | Path, target_state: Any, step: int | None = None
+) -> tuple[Any, int]:
+    """The whole train state of the newest ``last`` checkpoint (or of ``step``),
+    read-only; (state, step). For what the parameters alone do not hold, such as
+    their moving average."""
     if step is None:
-        raise CheckpointError(f"no checkpoint in {Path(workdir) / _DIRS['last']}: train first")
+        step = available(workdir, "last")
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {Path(workdir) / _DIRS['last']}: train first")
+    else:
+        directory = Path(workdir) / _DIRS["last"]
+        kept = (
+            sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+            if (directory.is_dir())
+            else []
+        )
+        if step not in kept:
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {directory}; the steps kept are "
+                f"{', '.join(map(str, kept)) or 'none'}"
+            )
     manager = _manager(Path(workdir) / _DIRS["last"], read_only=True)
     try:
         restored = manager.restore(

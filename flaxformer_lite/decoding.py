@@ -12,6 +12,11 @@ sentence ends.
 Works for the encoder-decoder (``Transformer``) and the decoder-only
 ``LanguageModel`` (``inputs=None``); ``prefix`` forces the first tokens of each
 row (a prompt), with 0 = no forced token.
+
+Ensembles: ``params`` may be a tuple of parameter trees of the same model (say,
+two seeds, or checkpoints of one run). Every member keeps its own encoding and
+cache, and the search scores the mean of the members' next-token
+probabilities, log(1/n sum_m p_m), in place of one model's log-probabilities.
 """
 
 from __future__ import annotations
@@ -31,11 +36,23 @@ NEG_INF = -1.0e9
 _STATIC = ("model", "max_length", "eos_id", "bos_id")
 
 
+def is_ensemble(params) -> bool:
+    """A tuple/list of parameter trees (an ensemble) rather than one tree."""
+    return isinstance(params, tuple | list)
+
+
 class _Stepper:
-    """One decoding step of either architecture over a shared cache protocol."""
+    """One decoding step of either architecture over a shared cache protocol.
+
+    For an ensemble (``params`` a tuple of trees) the encoding and the cache are
+    tuples with one entry per member, and a step returns the log of the members'
+    mean next-token probability."""
 
     def __init__(self, model: nn.Module, params, inputs: Array | None):
-        self.model, self.params, self.inputs = model, params, inputs
+        self.model, self.inputs = model, inputs
+        self.members = tuple(params) if is_ensemble(params) else (params,)
+        if not self.members:
+            raise ValueError("an ensemble needs at least one parameter tree")
         self.is_lm = isinstance(model, LanguageModel)
         if not self.is_lm and inputs is None:
             raise ValueError("the encoder-decoder needs source inputs")
@@ -46,16 +63,20 @@ class _Stepper:
         shapes = jax.eval_shape(
             lambda: self.model.init(jax.random.key(0), *args, decode=True)["cache"]
         )
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return tuple(
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in self.members
+        )
 
     def encode(self):
         if self.is_lm:
             return None
-        return self.model.apply({"params": self.params}, self.inputs, method=Transformer.encode)
+        return tuple(
+            self.model.apply({"params": p}, self.inputs, method=Transformer.encode)
+            for p in self.members
+        )
 
-    def __call__(self, cache, tokens: Array, encoded: Array | None) -> tuple[Array, dict]:
-        """Logits ``[b, v]`` for the next token after ``tokens [b, 1]``; the new cache."""
-        variables = {"params": self.params, "cache": cache}
+    def _member_step(self, params, cache, tokens: Array, encoded: Array | None):
+        variables = {"params": params, "cache": cache}
         if self.is_lm:
             logits, mutated = self.model.apply(variables, tokens, decode=True, mutable=["cache"])
         else:
@@ -69,6 +90,21 @@ class _Stepper:
                 method=Transformer.decode,
             )
         return logits[:, -1].astype(jnp.float32), mutated["cache"]
+
+    def __call__(self, cache, tokens: Array, encoded) -> tuple[Array, tuple]:
+        """Logits ``[b, v]`` for the next token after ``tokens [b, 1]``; the new cache.
+
+        One member: its logits. An ensemble: log of the mean member probability."""
+        encodings = encoded if encoded is not None else (None,) * len(self.members)
+        steps = [
+            self._member_step(p, c, tokens, e)
+            for p, c, e in zip(self.members, cache, encodings, strict=True)
+        ]
+        caches = tuple(c for _, c in steps)
+        if len(steps) == 1:
+            return steps[0][0], caches
+        logp = jnp.stack([jax.nn.log_softmax(lg) for lg, _ in steps])
+        return jax.nn.logsumexp(logp, axis=0) - jnp.log(len(steps)), caches
 
 
 def _repeat(x: Array | None, k: int) -> Array | None:

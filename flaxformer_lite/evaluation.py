@@ -64,6 +64,7 @@ def evaluate_workdir(
     no_repeat_ngram: int = 0,
     min_length_ratio: float = 0.0,
     max_length_ratio: float = 0.0,
+    ensemble: Sequence[str] = (),
 ) -> Scores:
     """Translate a split of the run's dataset, score it, write the translations.
 
@@ -79,7 +80,7 @@ def evaluate_workdir(
     from flaxformer_lite.translate import Translator
 
     workdir = Path(workdir)
-    translator = Translator.from_workdir(workdir)
+    translator = Translator.from_workdir(workdir, ensemble=ensemble)
     config = translator.run_config
     d = config.data
     pairs = pipeline.load_texts(d.dataset, split, (d.source_lang, d.target_lang), d.data_dir)

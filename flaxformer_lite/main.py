@@ -42,6 +42,13 @@ _MAX_RATIO = flags.DEFINE_float(
 _INPUT = flags.DEFINE_string("input", None, "translate: a file of sentences, one per line.")
 _SPLIT = flags.DEFINE_string("split", "test", "evaluate: the dataset split to translate.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate: only the first N sentences (0 = all).")
+_ENSEMBLE = flags.DEFINE_list(
+    "ensemble",
+    [],
+    "translate/evaluate: more models to average next-token probabilities with: "
+    "WORKDIR (its averaged/best/last checkpoint), WORKDIR@STEP or @STEP (a kept "
+    "checkpoint of --workdir), comma-separated.",
+)
 
 COMMANDS = ("train", "average", "translate", "evaluate")
 
@@ -87,6 +94,7 @@ def main(argv: list[str]) -> None:
                 _NO_REPEAT.value,
                 min_length_ratio=_MIN_RATIO.value,
                 max_length_ratio=_MAX_RATIO.value,
+                ensemble=_ENSEMBLE.value,
             )
         elif command == "evaluate":
             from flaxformer_lite.evaluation import evaluate_workdir
@@ -100,6 +108,7 @@ def main(argv: list[str]) -> None:
                 no_repeat_ngram=_NO_REPEAT.value,
                 min_length_ratio=_MIN_RATIO.value,
                 max_length_ratio=_MAX_RATIO.value,
+                ensemble=_ENSEMBLE.value,
             )
     except (
         ConfigError,

@@ -39,6 +39,37 @@ from flaxformer_lite.training.state import evaluation_params
 TOO_LONG = ("truncate", "refuse")
 
 
+def _without_training_only(c: ModelConfig) -> ModelConfig:
+    """The config with the fields that only act in training (dropout) zeroed."""
+    return c.replace(
+        embedding_dropout=0.0,
+        residual_dropout=0.0,
+        attention_dropout=0.0,
+        ffn_dropout=0.0,
+        source_token_dropout=0.0,
+        target_token_dropout=0.0,
+        dropout_bits=8,
+    )
+
+
+def _load_params(workdir: Path, config, target, kind: str) -> tuple[dict, int]:
+    """The parameters of the newest ``kind`` checkpoint that the run evaluated with."""
+    if kind == "last" and config.get("optimizer", {}).get("ema_decay", 0.0) > 0:
+        # The run evaluated (and kept as best) its parameters' moving average.
+        return _state_params(workdir)
+    return ckpt_lib.restore_params(workdir, target, kind)
+
+
+def _state_params(workdir: Path, step: int | None = None) -> tuple[dict, int]:
+    """The evaluation parameters (the moving average, where the run kept one) of a
+    ``checkpoints/`` step (default: the newest)."""
+    state, step = ckpt_lib.restore_last_state(
+        workdir, abstract_train_state(load_run_config(workdir)), step
+    )
+    # On one device, like restore_params' (a full state may come back replicated).
+    return jax.device_put(evaluation_params(state), jax.local_devices()[0]), step
+
+
 class TranslateError(ValueError):
     """Bad input to the translator; the message names the value and the fix."""
 
@@ -63,7 +94,18 @@ class Translator:
         self.run_config: ml_collections.ConfigDict | None = None
 
     @classmethod
-    def from_workdir(cls, workdir: str | Path, kind: str | None = None, **kwargs) -> Translator:
+    def from_workdir(
+        cls,
+        workdir: str | Path,
+        kind: str | None = None,
+        ensemble: Sequence[str] = (),
+        **kwargs,
+    ) -> Translator:
+        """``kind``: averaged | best | last (default: the first of these that exists).
+        ``ensemble``: more models to decode with, averaging next-token probabilities:
+        ``"WORKDIR"`` (its averaged/best/last checkpoint), ``"WORKDIR@STEP"`` or
+        ``"@STEP"`` (a kept checkpoint of this or that run, e.g. two seeds or the
+        last checkpoints of one run). Members must share the model config and tokenizer."""
         workdir = Path(workdir)
         values = ckpt_lib.read_config(workdir)
         if values is None:
@@ -92,18 +134,59 @@ class Translator:
             raise ckpt_lib.CheckpointError(
                 f"{workdir} holds no checkpoint yet; train first (or wait for the first save)"
             )
-        if kinds[0] == "last" and config.get("optimizer", {}).get("ema_decay", 0.0) > 0:
-            # The run evaluated (and kept as best) its parameters' moving average.
-            state, step = ckpt_lib.restore_last_state(
-                workdir, abstract_train_state(load_run_config(workdir))
-            )
-            params = evaluation_params(state)
-        else:
-            params, step = ckpt_lib.restore_params(workdir, target, kinds[0])
+        params, step = _load_params(workdir, config, target, kinds[0])
         translator = cls(model, params, Tokenizer.load(workdir / MODEL_NAME), **kwargs)
         translator.checkpoint = f"{kinds[0]} checkpoint, step {step}"
         translator.run_config = config
+        if ensemble:
+            translator._add_members(workdir, target, ensemble)
         return translator
+
+    def _add_members(self, workdir: Path, target, specs: Sequence[str]) -> None:
+        """Decode with the mean probability of this model and the ``specs``' models."""
+        members, names = [self.params], []
+        for spec in specs:
+            path, _, step_text = spec.rpartition("@")
+            if not step_text.isdigit():
+                path, step_text = spec, ""
+            member_dir = Path(path) if path else workdir
+            values = ckpt_lib.read_config(member_dir)
+            if values is None:
+                raise ckpt_lib.CheckpointError(
+                    f"ensemble member {spec!r}: {member_dir} is not a training run "
+                    f"(no {ckpt_lib.CONFIG_FILE}); give WORKDIR, WORKDIR@STEP or @STEP"
+                )
+            member_config = ModelConfig.from_dict(ml_collections.ConfigDict(values).model)
+            if _without_training_only(member_config) != _without_training_only(self.config):
+                raise ckpt_lib.CheckpointError(
+                    f"ensemble member {spec!r} has another model config than {workdir}; "
+                    "members must share the model and the tokenizer (dropout may differ)"
+                )
+            tokenizer = member_dir / MODEL_NAME
+            if (
+                not tokenizer.is_file()
+                or tokenizer.read_bytes() != (workdir / MODEL_NAME).read_bytes()
+            ):
+                raise ckpt_lib.CheckpointError(
+                    f"ensemble member {spec!r} has another tokenizer than {workdir}; "
+                    "members must share the model and the tokenizer"
+                )
+            if step_text:
+                params, step = _state_params(member_dir, int(step_text))
+                names.append(f"{member_dir}@{step}")
+            else:
+                kind = next(
+                    k
+                    for k in ("averaged", "best", "last")
+                    if k == "last" or ckpt_lib.available(member_dir, k) is not None
+                )
+                params, step = _load_params(
+                    member_dir, ml_collections.ConfigDict(values), target, kind
+                )
+                names.append(f"{member_dir} ({kind}, step {step})")
+            members.append(params)
+        self.params = tuple(members)
+        self.checkpoint += f"; ensemble of {len(members)} with " + ", ".join(names)
 
     # Encoding ---------------------------------------------------------------------------
     def _encode(self, sentences: Sequence[str]) -> list[np.ndarray]:
@@ -247,8 +330,9 @@ def main(
     no_repeat_ngram: int = 0,
     min_length_ratio: float = 0.0,
     max_length_ratio: float = 0.0,
+    ensemble: Sequence[str] = (),
 ) -> int:
-    translator = Translator.from_workdir(workdir)
+    translator = Translator.from_workdir(workdir, ensemble=ensemble)
     if input_file:
         try:
             sentences = Path(input_file).read_text(encoding="utf-8").splitlines()

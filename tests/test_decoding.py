@@ -169,6 +169,69 @@ def test_beam_search_length_bounds(model_params):
         )
 
 
+def _ensemble_score(model, members, src, seq, alpha, eos_id=1):
+    """log of the members' mean probability of ``seq``, token by token, by full forward
+    passes; divided by the length penalty."""
+    n = next((i + 1 for i, t in enumerate(seq) if t == eos_id), len(seq))
+    labels = jnp.asarray([list(seq[:n])])
+    per_member = [
+        jnp.take_along_axis(
+            jax.nn.log_softmax(model.apply({"params": p}, src[None], labels)),
+            labels[..., None],
+            -1,
+        )[0, :, 0]
+        for p in members
+    ]
+    mixed = jax.nn.logsumexp(jnp.stack(per_member), axis=0) - math.log(len(members))
+    return float(mixed.sum()) / ((5 + n) / 6) ** alpha
+
+
+def test_ensemble_of_one_or_of_copies_is_the_model(model_params):
+    model, params = model_params
+    kw = dict(max_length=12, eos_id=1, bos_id=2)
+    greedy = decoding.sample(model, params, SRC, **kw)
+    beams, scores = decoding.beam_search(model, params, SRC, beam_size=3, alpha=0.6, **kw)
+    for members in [(params,), (params, params)]:
+        np.testing.assert_array_equal(decoding.sample(model, members, SRC, **kw), greedy)
+        e_beams, e_scores = decoding.beam_search(model, members, SRC, beam_size=3, alpha=0.6, **kw)
+        np.testing.assert_array_equal(e_beams, beams)
+        np.testing.assert_allclose(e_scores, scores, atol=1e-5)
+
+
+def test_ensemble_greedy_and_beam_follow_the_mean_probability(model_params):
+    """Two different models: greedy takes the argmax of the mean next-token
+    probability at every step (checked by full forward passes), and beam scores
+    are the mixture's log-probability of each hypothesis."""
+    model, params = model_params
+    other = jax.tree.map(lambda x: x * 1.5, model.init(jax.random.key(7), SRC, SRC)["params"])
+    members = (params, other)
+    kw = dict(max_length=10, eos_id=1, bos_id=2)
+    out = np.asarray(decoding.sample(model, members, SRC, **kw))
+    for b in range(SRC.shape[0]):
+        generated = []
+        for t in out[b]:
+            # Labels = the tokens so far + a placeholder; the logits at its position
+            # predict the next token (the model shifts right behind its own BOS).
+            labels = jnp.asarray([generated + [1]])
+            probs = sum(
+                jax.nn.softmax(model.apply({"params": p}, SRC[b : b + 1], labels)[0, -1])
+                for p in members
+            )
+            assert int(jnp.argmax(probs)) == t
+            if t == 1:
+                break
+            generated.append(int(t))
+    # The members disagree, so the test above is not one model's greedy in disguise.
+    singles = [np.asarray(decoding.sample(model, p, SRC, **kw)) for p in members]
+    assert not (singles[0] == singles[1]).all()
+    beams, scores = decoding.beam_search(model, members, SRC, beam_size=3, alpha=0.6, **kw)
+    for b in range(SRC.shape[0]):
+        for k in range(3):
+            seq = np.asarray(beams[b, k]).tolist()
+            expected = _ensemble_score(model, members, SRC[b], seq, 0.6)
+            assert expected == pytest.approx(float(scores[b, k]), abs=1e-3)
+
+
 def test_sampling_seeds_and_zero_temperature(model_params):
     model, params = model_params
     kw = dict(max_length=12, eos_id=1, bos_id=2)

@@ -1,7 +1,9 @@
 """The Translator API and the translate/evaluate commands on a tiny trained workdir."""
 
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -101,6 +103,58 @@ def test_workdir_without_checkpoints(tmp_path):
         Translator.from_workdir(tmp_path)
 
 
+def _kept_steps(workdir):
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_ensemble_members(run, monkeypatch):
+    workdir, _ = run
+    single = Translator.from_workdir(workdir)
+    sentences = ["This is sentence number 3.", "This is sentence number 12."]
+    # The same checkpoint twice: the mean probability is the model's own.
+    twice = Translator.from_workdir(workdir, ensemble=[str(workdir)])
+    assert isinstance(twice.params, tuple) and len(twice.params) == 2
+    assert "ensemble of 2" in twice.checkpoint and "(best, step" in twice.checkpoint
+    assert twice.translate(sentences, beam_size=2) == single.translate(sentences, beam_size=2)
+    step = _kept_steps(workdir)[0]
+    three = Translator.from_workdir(workdir, ensemble=[f"@{step}", f"{workdir}@{step}"])
+    assert f"{workdir}@{step}" in three.checkpoint
+    seen = []
+    real = decoding.beam_search
+
+    def spy(model, params, *args, **kw):
+        seen.append(params)
+        return real(model, params, *args, **kw)
+
+    monkeypatch.setattr(decoding, "beam_search", spy)
+    out = three.translate(sentences, beam_size=2)
+    assert len(out) == 2 and all(isinstance(s, str) for s in out)
+    assert len(seen[0]) == 3
+
+
+def test_ensemble_member_errors(run, tmp_path):
+    workdir, _ = run
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"no checkpoint of step 999 .* kept are"):
+        Translator.from_workdir(workdir, ensemble=["@999"])
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"member '.*nowhere'.* not a training run"):
+        Translator.from_workdir(workdir, ensemble=[str(tmp_path / "nowhere")])
+    other = tmp_path / "other"
+    shutil.copytree(workdir, other)
+    with open(other / "tokenizer.model", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ckpt_lib.CheckpointError, match="has another tokenizer"):
+        Translator.from_workdir(workdir, ensemble=[str(other)])
+    shutil.copy(workdir / "tokenizer.model", other / "tokenizer.model")
+    values = json.loads((other / ckpt_lib.CONFIG_FILE).read_text())
+    values["model"]["residual_dropout"] = 0.3  # training-only: still a valid member
+    (other / ckpt_lib.CONFIG_FILE).write_text(json.dumps(values))
+    assert len(Translator.from_workdir(workdir, ensemble=[str(other)]).params) == 2
+    values["model"]["d_ff"] = values["model"]["d_ff"] * 2
+    (other / ckpt_lib.CONFIG_FILE).write_text(json.dumps(values))
+    with pytest.raises(ckpt_lib.CheckpointError, match="has another model config"):
+        Translator.from_workdir(workdir, ensemble=[str(other)])
+
+
 def test_evaluate_writes_scores_and_translations(run, capsys):
     workdir, _ = run
     scores = evaluate_workdir(workdir, "test", beam_size=2, limit=10)
@@ -142,6 +196,21 @@ def test_translate_cli(run):
         check=False,
     )
     assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1
+    ensemble = subprocess.run(
+        cmd + [f"--ensemble=@{_kept_steps(workdir)[-1]}", "This is sentence number 9."],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ensemble.returncode == 0, ensemble.stderr[-2000:]
+    assert len(ensemble.stdout.splitlines()) == 1
+    missing = subprocess.run(
+        cmd + ["--ensemble=@999", "x"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert missing.returncode == 1 and "no checkpoint of step 999" in missing.stderr
+    assert "Traceback" not in missing.stderr
     bad = subprocess.run(
         cmd[:-1] + ["--beam_size=0", "x"],
         cwd=ROOT,
