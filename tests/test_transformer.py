@@ -7,7 +7,7 @@ import pytest
 
 from flaxformer_lite import LanguageModel, Transformer
 from flaxformer_lite.architectures.transformer import shift_right
-from flaxformer_lite.components.dropout import TokenDropout
+from flaxformer_lite.components.dropout import Dropout
 from flaxformer_lite.config import ConfigError
 
 SRC = jnp.array([[5, 6, 7, 8, 9, 0, 0], [11, 12, 13, 14, 15, 16, 17]])
@@ -248,7 +248,7 @@ def test_dropout_active_only_when_not_deterministic(tiny_config):
 
 def test_token_dropout_zeros_whole_vectors_without_rescaling():
     x = jax.random.normal(jax.random.key(0), (4, 50, 8))
-    layer = TokenDropout(0.25, bits=32)
+    layer = Dropout(0.25, bits=32, whole_tokens=True)
     np.testing.assert_array_equal(layer.apply({}, x, deterministic=True), x)
     y = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(1)}))
     dropped = (y == 0).all(-1)

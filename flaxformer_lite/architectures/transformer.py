@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite.components.dropout import Dropout, TokenDropout
+from flaxformer_lite.components.dropout import Dropout
 from flaxformer_lite.components.embedding import (
     Embed,
     LearnedPositions,
@@ -152,7 +152,9 @@ def _embed_with_positions(
     deterministic: bool,
     token_dropout: float = 0.0,
 ) -> Array:
-    x = TokenDropout(token_dropout, c.dropout_bits)(embed(tokens), deterministic=deterministic)
+    # Named, so that the other dropouts keep their automatic names (and random streams).
+    word_dropout = Dropout(token_dropout, c.dropout_bits, whole_tokens=True, name="token_dropout")
+    x = word_dropout(embed(tokens), deterministic=deterministic)
     if c.positional == "sinusoidal":
         x = x + SinusoidalPositions(c.d_model, c.compute_dtype)(positions)
     elif c.positional == "learned":

@@ -39,9 +39,15 @@ def keep_mask(
     return draws >= threshold, levels / (levels - threshold)
 
 
-def dropout(x: Array, rate: float, rng: Array, bits: int = 8) -> Array:
+def dropout(x: Array, rate: float, rng: Array, bits: int = 8, whole_tokens: bool = False) -> Array:
+    """Inverted dropout of ``x``'s elements; ``whole_tokens``: word dropout instead,
+    zeroing whole vectors ``x[..., t, :]`` and not rescaling the kept ones (a dropped
+    token reads as "some word was here", Gal & Ghahramani 2016)."""
     if rate <= 0.0:
         return x
+    if whole_tokens:
+        keep, _ = keep_mask(rng, x.shape[:-1] + (1,), rate, bits)
+        return jnp.where(keep, x, jnp.zeros((), x.dtype))
     keep, scale = keep_mask(rng, x.shape, rate, bits)
     return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
 
@@ -51,27 +57,10 @@ class Dropout(nn.Module):
 
     rate: float
     bits: int = 8
+    whole_tokens: bool = False  # word dropout (see ``dropout``)
 
     @nn.compact
     def __call__(self, x: Array, *, deterministic: bool) -> Array:
         if deterministic or self.rate <= 0.0:
             return x
-        return dropout(x, self.rate, self.make_rng("dropout"), self.bits)
-
-
-class TokenDropout(nn.Module):
-    """Word dropout: zero whole token vectors ``x [..., t, d]`` with probability ``rate``.
-
-    Unlike ``Dropout`` the kept vectors are not rescaled: a dropped token reads as
-    "some word was here", not as noise around the expected embedding (Gal &
-    Ghahramani 2016). Uses the 'dropout' rng stream."""
-
-    rate: float
-    bits: int = 8
-
-    @nn.compact
-    def __call__(self, x: Array, *, deterministic: bool) -> Array:
-        if deterministic or self.rate <= 0.0:
-            return x
-        keep, _ = keep_mask(self.make_rng("dropout"), x.shape[:-1] + (1,), self.rate, self.bits)
-        return jnp.where(keep, x, jnp.zeros((), x.dtype))
+        return dropout(x, self.rate, self.make_rng("dropout"), self.bits, self.whole_tokens)
