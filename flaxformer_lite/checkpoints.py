@@ -181,11 +181,7 @@ def restore_last_state(
             raise CheckpointError(f"no checkpoint in {Path(workdir) / _DIRS['last']}: train first")
     else:
         directory = Path(workdir) / _DIRS["last"]
-        kept = (
-            sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-            if (directory.is_dir())
-            else []
-        )
+        kept = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
         if step not in kept:
             raise CheckpointError(
                 f"no checkpoint of step {step} in {directory}; the steps kept are "

@@ -52,6 +52,16 @@ def _without_training_only(c: ModelConfig) -> ModelConfig:
     )
 
 
+def _newest_kind(workdir: Path) -> str:
+    """The checkpoint a run translates with: averaged if present, else best, else last."""
+    for kind in ("averaged", "best", "last"):
+        if ckpt_lib.available(workdir, kind) is not None:
+            return kind
+    raise ckpt_lib.CheckpointError(
+        f"{workdir} holds no checkpoint yet; train first (or wait for the first save)"
+    )
+
+
 def _load_params(workdir: Path, config, target, kind: str) -> tuple[dict, int]:
     """The parameters of the newest ``kind`` checkpoint that the run evaluated with."""
     if kind == "last" and config.get("optimizer", {}).get("ema_decay", 0.0) > 0:
@@ -121,22 +131,10 @@ class Translator:
         target = jax.eval_shape(
             lambda: model.init(jax.random.key(0), *((dummy,) if is_lm else (dummy, dummy)))
         )["params"]
-        kinds = (
-            [kind]
-            if kind
-            else [
-                k
-                for k in ("averaged", "best", "last")
-                if ckpt_lib.available(workdir, k) is not None
-            ]
-        )
-        if not kinds:
-            raise ckpt_lib.CheckpointError(
-                f"{workdir} holds no checkpoint yet; train first (or wait for the first save)"
-            )
-        params, step = _load_params(workdir, config, target, kinds[0])
+        kind = kind or _newest_kind(workdir)
+        params, step = _load_params(workdir, config, target, kind)
         translator = cls(model, params, Tokenizer.load(workdir / MODEL_NAME), **kwargs)
-        translator.checkpoint = f"{kinds[0]} checkpoint, step {step}"
+        translator.checkpoint = f"{kind} checkpoint, step {step}"
         translator.run_config = config
         if ensemble:
             translator._add_members(workdir, target, ensemble)
@@ -175,11 +173,7 @@ class Translator:
                 params, step = _state_params(member_dir, int(step_text))
                 names.append(f"{member_dir}@{step}")
             else:
-                kind = next(
-                    k
-                    for k in ("averaged", "best", "last")
-                    if k == "last" or ckpt_lib.available(member_dir, k) is not None
-                )
+                kind = _newest_kind(member_dir)
                 params, step = _load_params(
                     member_dir, ml_collections.ConfigDict(values), target, kind
                 )
