@@ -176,47 +176,22 @@ def test_translate_cli(run):
         f"--workdir={workdir}",
         "--beam_size=2",
     ]
-    out = subprocess.run(
-        cmd + ["This is sentence number 1.", "This is sentence number 2."],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+
+    def cli(args, stdin=None):
+        return subprocess.run(
+            args, input=stdin, cwd=ROOT, env=env, capture_output=True, text=True, check=False
+        )
+
+    out = cli(cmd + ["This is sentence number 1.", "This is sentence number 2."])
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(out.stdout.splitlines()) == 2
-    piped = subprocess.run(
-        cmd,
-        input="This is sentence number 9.\n",
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    piped = cli(cmd, stdin="This is sentence number 9.\n")
     assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1
-    ensemble = subprocess.run(
-        cmd + [f"--ensemble=@{_kept_steps(workdir)[-1]}", "This is sentence number 9."],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    ensemble = cli(cmd + [f"--ensemble=@{_kept_steps(workdir)[-1]}", "This is sentence number 9."])
     assert ensemble.returncode == 0, ensemble.stderr[-2000:]
     assert len(ensemble.stdout.splitlines()) == 1
-    missing = subprocess.run(
-        cmd + ["--ensemble=@999", "x"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    missing = cli(cmd + ["--ensemble=@999", "x"])
     assert missing.returncode == 1 and "no checkpoint of step 999" in missing.stderr
     assert "Traceback" not in missing.stderr
-    bad = subprocess.run(
-        cmd[:-1] + ["--beam_size=0", "x"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    bad = cli(cmd[:-1] + ["--beam_size=0", "x"])
     assert bad.returncode == 1 and "beam_size=0" in bad.stderr and "Traceback" not in bad.stderr
