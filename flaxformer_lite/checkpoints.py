@@ -14,6 +14,7 @@ Used by training and by decoding; imports neither.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,13 @@ def average_last(
         total = params if total is None else jax.tree.map(jnp.add, total, params)
     checkpoints.close()
     mean = jax.tree.map(lambda x: x / len(steps), total)
-    manager = _manager(Path(workdir) / _DIRS["averaged"], max_to_keep=1)
+    # Written beside the old average and swapped in when complete, so a re-run
+    # (another --num) replaces it, and an interrupted one leaves it intact.
+    target = Path(workdir) / _DIRS["averaged"]
+    staging = target.with_name(target.name + ".incoming")
+    replaced = target.with_name(target.name + ".replaced")
+    shutil.rmtree(staging, ignore_errors=True)
+    manager = _manager(staging, max_to_keep=1)
     manager.save(
         steps[-1],
         args=ocp.args.Composite(params=ocp.args.StandardSave({"params": mean})),
@@ -239,6 +246,11 @@ def average_last(
     )
     manager.wait_until_finished()
     manager.close()
+    shutil.rmtree(replaced, ignore_errors=True)
+    if target.exists():
+        target.rename(replaced)
+    staging.rename(target)
+    shutil.rmtree(replaced, ignore_errors=True)
     return steps[-1], steps
 
 

@@ -48,8 +48,12 @@ class _Stepper:
     tuples with one entry per member, and a step returns the log of the members'
     mean next-token probability."""
 
-    def __init__(self, model: nn.Module, params, inputs: Array | None):
-        self.model, self.inputs = model, inputs
+    def __init__(self, model: nn.Module, params, inputs: Array | None, repeat: int = 1):
+        # ``repeat`` = k for beam search: each source row stands for k adjacent beam
+        # rows. The encoder still runs once per source row (its output is repeated),
+        # which saves 3/4 of the encoder at beam 4: ~25% of the whole search.
+        self.model, self.source, self.repeat = model, inputs, repeat
+        self.inputs = _repeat(inputs, repeat) if repeat > 1 else inputs  # decoder masks
         self.members = tuple(params) if is_ensemble(params) else (params,)
         if not self.members:
             raise ValueError("an ensemble needs at least one parameter tree")
@@ -70,10 +74,11 @@ class _Stepper:
     def encode(self):
         if self.is_lm:
             return None
-        return tuple(
-            self.model.apply({"params": p}, self.inputs, method=Transformer.encode)
+        encoded = [
+            self.model.apply({"params": p}, self.source, method=Transformer.encode)
             for p in self.members
-        )
+        ]
+        return tuple(_repeat(e, self.repeat) if self.repeat > 1 else e for e in encoded)
 
     def _member_step(self, params, cache, tokens: Array, encoded: Array | None):
         variables = {"params": params, "cache": cache}
@@ -236,13 +241,17 @@ def length_penalty(length: Array, alpha: float) -> Array:
 def _gather_beams(tree, beam_index: Array, batch: int, beams: int):
     """Reorder every ``[b*k, ...]`` self-attention cache leaf by ``beam_index [b, k]``."""
 
+    # Whole rows of the flattened [b*k, ...] leaves. This copy of the cache is
+    # memory-bound: ~15% of a beam-4 search in benchmarks/decode.py.
+    rows = (jnp.arange(batch)[:, None] * beams + beam_index).reshape(-1)
+
     def gather(path, x):
         name = jax.tree_util.keystr(path)
-        if x.ndim == 0 or "cross_" in name:  # counters; cross K/V are equal across beams
+        # Counters, cross K/V and a ring buffer's slot positions are the same for
+        # every beam; only per-row leaves follow their beams.
+        if x.ndim == 0 or "cross_" in name or "cached_positions" in name:
             return x
-        x = x.reshape(batch, beams, *x.shape[1:])
-        idx = beam_index.reshape(batch, beams, *([1] * (x.ndim - 2)))
-        return jnp.take_along_axis(x, idx, axis=1).reshape(batch * beams, *x.shape[2:])
+        return x.at[rows].get(mode="promise_in_bounds")
 
     return jax.tree_util.tree_map_with_path(gather, tree)
 
@@ -302,7 +311,7 @@ def beam_search(
     At ``max_length``, rows without enough finished hypotheses take live ones.
     """
     b, k, v = inputs.shape[0], beam_size, model.config.vocab_size
-    stepper = _Stepper(model, params, _repeat(inputs, k))
+    stepper = _Stepper(model, params, inputs, repeat=k)
     encoded = stepper.encode()
     cache = stepper.init_cache(b * k, max_length)
 

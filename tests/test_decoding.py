@@ -1,6 +1,7 @@
 """Decoding: cache == no cache, beam 1 == greedy, sampling, a learned copy task, BLEU."""
 
 import collections
+import dataclasses
 import math
 
 import jax
@@ -76,6 +77,25 @@ def test_beams_sorted_by_penalised_score_and_end_properly(model_params):
             if ended:
                 assert all(t == 0 for t in seq[seq.index(1) + 1 :])
             assert _score(model, params, SRC[b], seq, 0.6) == pytest.approx(s[b, k], abs=1e-3)
+
+
+def test_beam_search_with_a_sliding_window_decoder():
+    """A local causal pattern decodes from a ring buffer whose slot positions are
+    shared by all beams; reordering beams must move the keys, not the positions."""
+    cfg = dataclasses.replace(CFG, attention_pattern="local:window=3", attention_block_size=4)
+    model = Transformer(cfg)
+    params = jax.tree.map(lambda x: x * 1.5, model.init(jax.random.key(3), SRC, SRC)["params"])
+    kw = dict(max_length=10, eos_id=1, bos_id=2)
+    greedy = decoding.sample(model, params, SRC, **kw)
+    one, _ = decoding.beam_search(model, params, SRC, beam_size=1, alpha=0.0, **kw)
+    np.testing.assert_array_equal(one[:, 0], greedy)
+    beams, scores = decoding.beam_search(model, params, SRC, beam_size=3, alpha=0.6, **kw)
+    for b in range(3):
+        for k in range(3):
+            seq = np.asarray(beams[b, k]).tolist()
+            assert _score(model, params, SRC[b], seq, 0.6) == pytest.approx(
+                float(scores[b, k]), abs=1e-3
+            )
 
 
 def test_beam_search_beats_greedy_in_score(model_params):

@@ -56,7 +56,8 @@ def test_self_attention_cache_matches_full_causal():
     mha = MultiHeadAttention(CFG)
     variables = mha.init(jax.random.key(0), x, decode=True)
     params, cache = variables["params"], variables["cache"]
-    assert cache["cached_key"].shape == (2, 6, 3, 5) and int(cache["cache_index"]) == 0
+    assert cache["cached_key"].shape == (2, 3, 6, 5)  # [b, h, t, d]
+    assert int(cache["cache_index"]) == 0
     full = mha.apply({"params": params}, x, mask=make_causal_mask(6))
     outs = []
     # A 2-token chunk first (prefill), then one token at a time.

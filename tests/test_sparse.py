@@ -256,12 +256,12 @@ def test_lm_cached_decoding_matches_full_forward(spec, rng):
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5)
     key_cache = cache["decoder"]["layer_0"]["self_attention"]["cached_key"]
-    if spec.startswith("local"):  # sliding window: O(window) memory
+    if spec.startswith("local"):  # sliding window ring buffer [b, slots, h, d]: O(window)
         assert (
             key_cache.shape[1] == max(int(w) for w in spec.replace(";", "=").split("=")[1::2]) + 1
         )
-    else:
-        assert key_cache.shape[1] == 17
+    else:  # the full cache, head-major [b, h, t, d]
+        assert key_cache.shape[2] == 17
 
 
 @pytest.mark.parametrize(

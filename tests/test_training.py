@@ -321,6 +321,14 @@ def test_resume_is_exact(fixture_data, tmp_path):
     jax.tree.map(
         lambda m, want: np.testing.assert_allclose(np.asarray(m), want, rtol=1e-6), avg, mean
     )
+    # Averaging again with another count replaces the average (same last step).
+    average_workdir(split, 1)
+    again, _ = ckpt_lib.restore_params(split, a, kind="averaged")
+    jax.tree.map(
+        lambda m, want: np.testing.assert_allclose(np.asarray(m), np.asarray(want), rtol=1e-6),
+        again,
+        evaluation_params(state6),
+    )
 
 
 def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
