@@ -5,11 +5,14 @@
   python -m flaxformer_lite.main average --workdir=runs/x --num=5
   python -m flaxformer_lite.main translate --workdir=runs/x "Where is the station?"
   python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
+  python -m flaxformer_lite.main generate --workdir=runs/lm --temperature=0.8 "And God said"
 
 ``train`` (the default command) trains or resumes; ``average`` writes the mean
 of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
 ``translate`` translates its arguments, ``--input`` or standard input;
-``evaluate`` translates a split and reports BLEU and chrF with signatures.
+``evaluate`` translates a split and reports BLEU and chrF with signatures;
+``generate`` continues its arguments (``--input`` or standard input) with a
+language-model run.
 """
 
 from __future__ import annotations
@@ -39,18 +42,31 @@ _MIN_RATIO = flags.DEFINE_float(
 _MAX_RATIO = flags.DEFINE_float(
     "max_length_ratio", 0.0, "translate/evaluate: outputs get <= ratio x source pieces + 5."
 )
-_INPUT = flags.DEFINE_string("input", None, "translate: a file of sentences, one per line.")
+_INPUT = flags.DEFINE_string(
+    "input", None, "translate/generate: a file of sentences or prompts, one per line."
+)
 _SPLIT = flags.DEFINE_string("split", "test", "evaluate: the dataset split to translate.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "evaluate: only the first N sentences (0 = all).")
 _ENSEMBLE = flags.DEFINE_list(
     "ensemble",
     [],
-    "translate/evaluate: more models to average next-token probabilities with: "
+    "translate/evaluate/generate: more models to average next-token probabilities with: "
     "WORKDIR (its averaged/best/last checkpoint), WORKDIR@STEP or @STEP (a kept "
     "checkpoint of --workdir), comma-separated.",
 )
 
-COMMANDS = ("train", "average", "translate", "evaluate")
+_MAX_NEW = flags.DEFINE_integer(
+    "max_new_tokens", None, "generate: pieces to add to each prompt (default 50, or max_len - 1)."
+)
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", 1.0, "generate: sampling temperature (0 = greedy)."
+)
+_TOP_K = flags.DEFINE_integer("top_k", 0, "generate: sample from the k likeliest pieces (0 = off).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass (1 = off).")
+_SEED = flags.DEFINE_integer("seed", 0, "generate: sampling seed (the same seed, the same texts).")
+
+COMMANDS = ("train", "average", "translate", "evaluate", "generate")
+TAKES_TEXT = ("translate", "generate")  # commands whose arguments are texts
 
 
 def _fail(message: str) -> None:
@@ -67,7 +83,7 @@ def main(argv: list[str]) -> None:
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax/absl INFO and WARNING lines are noise here
     command = argv[1] if len(argv) > 1 else "train"
-    if command not in COMMANDS or (len(argv) > 2 and command != "translate"):
+    if command not in COMMANDS or (len(argv) > 2 and command not in TAKES_TEXT):
         _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
     if not _WORKDIR.value:
         _fail("--workdir is required (the run's folder)")
@@ -95,6 +111,20 @@ def main(argv: list[str]) -> None:
                 min_length_ratio=_MIN_RATIO.value,
                 max_length_ratio=_MAX_RATIO.value,
                 ensemble=_ENSEMBLE.value,
+            )
+        elif command == "generate":
+            from flaxformer_lite import translate
+
+            translate.generate_main(
+                _WORKDIR.value,
+                argv[2:],
+                _INPUT.value,
+                ensemble=_ENSEMBLE.value,
+                max_new_tokens=_MAX_NEW.value,
+                temperature=_TEMPERATURE.value,
+                top_k=_TOP_K.value,
+                top_p=_TOP_P.value,
+                seed=_SEED.value,
             )
         elif command == "evaluate":
             from flaxformer_lite.evaluation import evaluate_workdir

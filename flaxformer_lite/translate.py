@@ -314,6 +314,90 @@ class Translator:
                 results[todo[r]] = self.tokenizer.decode(tokens)
         return results
 
+    # Generating (decoder-only LM) ------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[str]:
+        """Continuations of ``prompts`` by a language-model run (one text per prompt).
+
+        Each prompt's pieces are forced after BOS, then up to ``max_new_tokens``
+        (default: 50, or ``model.max_len - 1`` if smaller) pieces are sampled until
+        EOS (the LM's end of a training line).
+        ``temperature=0`` is greedy; ``top_k`` > 0 and ``top_p`` < 1 filter the
+        distribution first. The same ``seed`` gives the same texts. An empty prompt
+        samples from scratch. A prompt too long for ``model.max_len`` keeps its
+        last pieces (with a warning) or is refused (``too_long='refuse'``).
+        """
+        if not isinstance(self.model, LanguageModel):
+            raise TranslateError("this workdir holds a translation model; use translate()")
+        if isinstance(prompts, str):
+            raise TranslateError("generate() takes a list of prompts, not one string")
+        limit = self.config.max_len
+        if max_new_tokens is None:
+            max_new_tokens = min(50, limit - 1)
+        if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens < limit:
+            raise TranslateError(
+                f"max_new_tokens={max_new_tokens!r} must be an integer in [1, {limit - 1}] "
+                f"(model.max_len={limit} holds the prompt and the continuation)"
+            )
+        if not (isinstance(temperature, int | float) and temperature >= 0):
+            raise TranslateError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
+        if not isinstance(top_k, int) or top_k < 0:
+            raise TranslateError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
+        if not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+            raise TranslateError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
+        room = limit - max_new_tokens
+        forced = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise TranslateError(f"prompt {i} is {type(p).__name__}, not a string")
+            ids = self.tokenizer.encode(p.strip(), add_eos=False) if p.strip() else []
+            if len(ids) > room:
+                if self.too_long == "refuse":
+                    raise TranslateError(
+                        f"prompt {i} has {len(ids)} pieces; with max_new_tokens={max_new_tokens} "
+                        f"at most {room} fit model.max_len={limit}: shorten it, lower "
+                        "max_new_tokens or use too_long='truncate'"
+                    )
+                warnings.warn(
+                    f"prompt {i} has {len(ids)} pieces; kept its last {room}", stacklevel=2
+                )
+                ids = ids[len(ids) - room :]
+            forced.append(np.asarray(ids, np.int32))
+        c = self.config
+        results = []
+        for start in range(0, len(forced), self.batch_size):
+            chunk = forced[start : start + self.batch_size]
+            longest = max((len(f) for f in chunk), default=0)
+            # Bucketed lengths limit recompiles, like the translation batches.
+            length = min(2 ** math.ceil(math.log2(max(longest + max_new_tokens, 8))), limit)
+            prefix = np.zeros((self.batch_size, length), np.int32)  # 0 = not forced
+            for r, f in enumerate(chunk):
+                prefix[r, : len(f)] = f
+            ids = decoding.sample(
+                self.model,
+                self.params,
+                None,
+                max_length=length,
+                eos_id=c.eos_id,
+                bos_id=c.bos_id,
+                rng=jax.random.fold_in(jax.random.key(seed), start),
+                temperature=float(temperature),
+                top_k=top_k,
+                top_p=float(top_p),
+                prefix=jnp.asarray(prefix),
+            )
+            for r, f in enumerate(chunk):
+                row = np.asarray(ids[r]).tolist()
+                results.append(self.tokenizer.decode(row[len(f) : len(f) + max_new_tokens]))
+        return results
+
 
 def main(
     workdir: str,
@@ -327,17 +411,7 @@ def main(
     ensemble: Sequence[str] = (),
 ) -> int:
     translator = Translator.from_workdir(workdir, ensemble=ensemble)
-    if input_file:
-        try:
-            sentences = Path(input_file).read_text(encoding="utf-8").splitlines()
-        except OSError as e:
-            raise TranslateError(f"cannot read --input={input_file} ({e.strerror})") from e
-    elif not sentences:
-        if sys.stdin.isatty():
-            print(
-                "reading sentences from standard input, one per line (Ctrl-D ends)", file=sys.stderr
-            )
-        sentences = [line.rstrip("\n") for line in sys.stdin]
+    sentences = _read_lines(sentences, input_file, "sentences")
     for line in translator.translate(
         sentences,
         beam_size=beam_size,
@@ -347,4 +421,34 @@ def main(
         max_length_ratio=max_length_ratio,
     ):
         print(line)
+    return 0
+
+
+def _read_lines(given: list[str], input_file: str | None, what: str) -> list[str]:
+    """The command's texts: its arguments, else ``--input``'s lines, else standard input's."""
+    if input_file:
+        try:
+            return Path(input_file).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise TranslateError(f"cannot read --input={input_file} ({e.strerror})") from e
+    if given:
+        return given
+    if sys.stdin.isatty():
+        print(f"reading {what} from standard input, one per line (Ctrl-D ends)", file=sys.stderr)
+    return [line.rstrip("\n") for line in sys.stdin]
+
+
+def generate_main(
+    workdir: str,
+    prompts: list[str],
+    input_file: str | None = None,
+    ensemble: Sequence[str] = (),
+    **options,
+) -> int:
+    """``main generate``: one continuation per prompt, one line each (``options``:
+    max_new_tokens, temperature, top_k, top_p, seed as in ``Translator.generate``)."""
+    generator = Translator.from_workdir(workdir, ensemble=ensemble)
+    prompts = _read_lines(prompts, input_file, "prompts")
+    for text in generator.generate(prompts, **options):
+        print(text)
     return 0
