@@ -162,8 +162,8 @@ class MultiHeadAttention(nn.Module):
             return self._sliding_window_cache(key, value, mask, patterns, window)
         creating = not self.has_variable("cache", "cached_key")
         # Stored head-major, [b, h, t, d]: the layout the score and value products
-        # read, so a step does not transpose the whole cache (it did, and that was
-        # ~40% of a cached greedy step at batch 32 on CPU).
+        # read, so a step does not transpose the whole cache (it did: storing it
+        # head-major made a cached greedy step 1.5x faster at batch 32 on CPU).
         cached_key = self.variable(
             "cache", "cached_key", jnp.zeros, _head_major(key).shape, key.dtype
         )
