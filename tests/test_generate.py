@@ -82,7 +82,7 @@ def test_generate_bad_input(lm_run, tmp_path):
     with pytest.raises(TranslateError, match=r"top_p=0 must be in \(0, 1\]"):
         gen.generate(["a"], top_p=0)
     with pytest.raises(TranslateError, match="prompt 1 is int"):
-        gen.generate(["a", 3])
+        gen.generate(["a", 3], max_new_tokens=4)
     long = "This is sentence number 123456789. " * 10
     with pytest.warns(UserWarning, match="kept its last 24"):
         assert isinstance(gen.generate([long], max_new_tokens=8)[0], str)
