@@ -104,3 +104,13 @@ def write_raw_root(root: Path, ding_sentences: int = 1600) -> Path:
     write_sword_module(root / "usr/share/sword/modules/texts/ztext/engKJV2006eb", KJV_BOOKS, KJV_NT)
     write_sword_module(root / "usr/share/sword/modules/texts/ztext/spaRV1909eb", RV_BOOKS, RV_NT)
     return root
+
+
+def build_ding_dataset(root: Path, ding_sentences: int = 1600) -> tuple[Path, Path]:
+    """The fixture packages in ``root/raw`` and their ding_de_en TFDS build in ``root/tfds``."""
+    from flaxformer_lite.data.builders import build_local_dataset
+
+    raw = write_raw_root(root / "raw", ding_sentences)
+    data_dir = root / "tfds"
+    build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
+    return raw, data_dir

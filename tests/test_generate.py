@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.data.builders import build_local_dataset
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
 from tests import fixtures
@@ -21,9 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def lm_run(tmp_path_factory):
-    raw = fixtures.write_raw_root(tmp_path_factory.mktemp("raw"), ding_sentences=1600)
-    data_dir = tmp_path_factory.mktemp("tfds")
-    build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
+    raw, data_dir = fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))
     config = load_config("lm_small", "debug")
     config.model.vocab_size = 80  # the fixture's English supports ~93 pieces
     config.model.max_len = 32

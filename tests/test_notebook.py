@@ -13,7 +13,6 @@ import matplotlib
 import numpy as np
 import pytest
 
-from flaxformer_lite.data.builders import build_local_dataset
 from tests import fixtures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,9 +43,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
 
     shown = []
     monkeypatch.setattr(plt, "show", lambda: (shown.append(plt.gcf()), plt.close("all")))
-    raw = fixtures.write_raw_root(tmp_path / "raw", ding_sentences=1600)
-    data_dir = tmp_path / "tfds"
-    build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
+    raw, data_dir = fixtures.build_ding_dataset(tmp_path)
     monkeypatch.chdir(ROOT)  # the notebook names configs/ relative to the repository
     overrides = {
         "VARIANT": "debug",

@@ -266,12 +266,7 @@ def test_batch_must_divide_among_devices():
 
 @pytest.fixture(scope="module")
 def fixture_data(tmp_path_factory):
-    raw = fixtures.write_raw_root(tmp_path_factory.mktemp("raw"), ding_sentences=1600)
-    data_dir = tmp_path_factory.mktemp("tfds")
-    from flaxformer_lite.data.builders import build_local_dataset
-
-    build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
-    return raw, data_dir
+    return fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))
 
 
 def debug_config(data_dir, **train):

@@ -11,7 +11,6 @@ import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite import decoding
-from flaxformer_lite.data.builders import build_local_dataset
 from flaxformer_lite.evaluation import evaluate_workdir
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
@@ -23,9 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    raw = fixtures.write_raw_root(tmp_path_factory.mktemp("raw"), ding_sentences=1600)
-    data_dir = tmp_path_factory.mktemp("tfds")
-    build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
+    raw, data_dir = fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))
     workdir = tmp_path_factory.mktemp("run")
     config = debug_config(data_dir, num_steps=6)
     config.model.max_len = 32
