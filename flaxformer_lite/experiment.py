@@ -55,6 +55,9 @@ EXPERIMENT_SECTIONS = {
         "seed": int,
         "batch_size": int,  # rows per step, all devices together
         "num_steps": int,
+        # >0: also stop once the training command has run this many minutes (a wall-clock
+        # budget: the step count then depends on the machine); 0 = train num_steps
+        "max_minutes": float,
         "label_smoothing": float,
         "parallelism": str,  # jit (sharded over a device mesh) | pmap
         "concurrent_splits": int,  # >1: the batch as k independent chains (uses CPU cores)
@@ -93,7 +96,12 @@ EXPERIMENT_SECTIONS = {
 # Fields added after runs were saved: a saved config without them means these values.
 ADDED_FIELDS = {
     "data": {"aux_min_count": 0, "aux_tag": "", "reverse_tag": "", "subword_alpha": 0.0},
-    "train": {"concurrent_splits": 1, "embedding_init": "random", "embedding_init_splits": ""},
+    "train": {
+        "concurrent_splits": 1,
+        "embedding_init": "random",
+        "embedding_init_splits": "",
+        "max_minutes": 0.0,
+    },
     "optimizer": {"ema_decay": 0.0, "embedding_lr_scale": 1.0, "cooldown_steps": 0},
 }
 
@@ -279,6 +287,18 @@ def validate_experiment(config) -> ModelConfig:
         )
     if o.schedule == "noam" and o.warmup_steps <= 0:
         raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
+    if t.max_minutes < 0:
+        raise ConfigError(
+            f"config.train.max_minutes={t.max_minutes} must be >= 0 (0 = no time limit; "
+            "training then runs train.num_steps steps)"
+        )
+    if t.max_minutes and (o.schedule == "warmup_cosine" or o.cooldown_steps):
+        raise ConfigError(
+            f"config.train.max_minutes={t.max_minutes} stops at a step nobody knows in "
+            f"advance, but optimizer.schedule={o.schedule!r} with cooldown_steps="
+            f"{o.cooldown_steps} is shaped by train.num_steps; use the noam or constant "
+            "schedule without a cooldown, or set max_minutes=0"
+        )
     updates = t.num_steps // o.grad_accum_steps
     if not 0 <= o.cooldown_steps <= max(updates - o.warmup_steps, 0):
         raise ConfigError(
@@ -325,6 +345,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "seed": 0,
             "batch_size": 64,
             "num_steps": 100_000,
+            "max_minutes": 0.0,
             "label_smoothing": 0.1,
             "parallelism": "jit",
             "concurrent_splits": 1,
@@ -387,6 +408,7 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None) -> ml_col
             config.train.update(
                 batch_size=8,
                 num_steps=6,
+                max_minutes=0.0,  # seconds-long and step-bounded, whatever the machine
                 log_every=2,
                 eval_every=3,
                 checkpoint_every=3,

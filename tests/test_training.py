@@ -19,7 +19,7 @@ from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.config import ConfigError, ModelConfig
 from flaxformer_lite.data import cooccurrence, pipeline
 from flaxformer_lite.data.tokenizer import UNK_ID
-from flaxformer_lite.experiment import validate_experiment
+from flaxformer_lite.experiment import ADDED_FIELDS, validate_experiment, with_added_fields
 from flaxformer_lite.training import losses, schedules
 from flaxformer_lite.training.average import abstract_train_state, average_workdir
 from flaxformer_lite.training.parallel import DataParallel
@@ -326,6 +326,35 @@ def test_resume_is_exact(fixture_data, tmp_path):
     )
 
 
+def test_time_budget_stops_early_with_a_checkpoint_and_resumes(fixture_data, tmp_path, capsys):
+    _, data_dir = fixture_data
+    # A budget that has run out before the first step: one step is taken, then the run
+    # stops there, evaluated and checkpointed as if that step were the last.
+    config = debug_config(data_dir, num_steps=6, checkpoint_every=4, eval_every=4)
+    config.train.max_minutes = 1e-6
+    metrics = train_and_evaluate(config, tmp_path)
+    assert {"loss", "accuracy"} <= set(metrics)
+    out = capsys.readouterr().out
+    assert "done: step 1 (1 this run)" in out
+    assert "train.max_minutes=1e-06 reached before step 6" in out
+    assert "validation @ 1:" in out
+    _, step = _last_params(tmp_path, config)
+    assert step == 1
+    # The budget is the run's, over resumes: running the same command again trains nothing.
+    train_and_evaluate(config, tmp_path)
+    out = capsys.readouterr().out
+    assert "train.max_minutes=1e-06 already spent on this run" in out
+    assert "done: step 1 (0 this run)" in out
+    _, step = _last_params(tmp_path, config)
+    assert step == 1
+    # Without the budget the same workdir resumes there and trains to num_steps.
+    config.train.max_minutes = 0.0
+    train_and_evaluate(config, tmp_path)
+    assert "done: step 6 (5 this run)" in capsys.readouterr().out
+    _, step = _last_params(tmp_path, config)
+    assert step == 6
+
+
 def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
     _, data_dir = fixture_data
     config = debug_config(data_dir, num_steps=4, eval_every=4, checkpoint_every=4)
@@ -519,11 +548,19 @@ def test_config_errors_come_before_data(tmp_path):
         ("data", "reverse_tag", "2en", "reverse_tag='2en' needs a translation task"),
         ("data", "subword_alpha", -0.1, r"subword_alpha=-0.1 must be in \[0, 1\]"),
         ("data", "subword_alpha", 1.5, r"subword_alpha=1.5 must be in \[0, 1\]"),
+        ("train", "max_minutes", -1.0, "max_minutes=-1.0 must be >= 0"),
     ):
         config = load_config()
         config[section][field] = value
         with pytest.raises(ConfigError, match=message):
             validate_experiment(config)
+    config = load_config()
+    config.train.max_minutes = 15.0
+    config.optimizer.cooldown_steps = 2
+    with pytest.raises(ConfigError, match="max_minutes=15.0 stops at a step nobody knows"):
+        validate_experiment(config)
+    config.optimizer.cooldown_steps = 0
+    validate_experiment(config)
     config = load_config("lm_long_sparse")
     config.data.subword_alpha = 0.2
     with pytest.raises(ConfigError, match="does not apply to data.stream=True"):
@@ -532,6 +569,19 @@ def test_config_errors_come_before_data(tmp_path):
     bad.train.extra = 1
     with pytest.raises(ConfigError, match=r"unknown fields \['extra'\]"):
         validate_experiment(bad)
+
+
+def test_a_run_saved_before_later_fields_still_loads():
+    """Workdirs written before a field existed (config.json without it) load with the
+    field's neutral default, not the current config file's value."""
+    values = load_config("ende_small", None).to_dict()
+    for section, fields in ADDED_FIELDS.items():
+        for name in fields:
+            del values[section][name]
+    config = ml_collections.ConfigDict(with_added_fields(values))
+    validate_experiment(config)
+    assert config.train.max_minutes == 0.0  # that run was bounded by num_steps only
+    assert config.optimizer.ema_decay == 0.0 and config.train.embedding_init == "random"
 
 
 @pytest.mark.parametrize(

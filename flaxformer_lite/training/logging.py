@@ -18,11 +18,20 @@ def _format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, workdir: str | Path, total_steps: int, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: str | Path,
+        total_steps: int,
+        enabled: bool = True,
+        deadline: float = math.inf,
+    ):
+        """``deadline``: a ``time.perf_counter()`` time at which training stops anyway
+        (``train.max_minutes``); the ETA is then the nearer of the two ends."""
         from tensorboardX import SummaryWriter
 
         self.workdir = Path(workdir)
         self.total_steps = total_steps
+        self.deadline = deadline
         self.enabled = enabled
         self.jsonl = open(self.workdir / "metrics.jsonl", "a") if enabled else None
         self.tb = SummaryWriter(str(self.workdir / "tensorboard")) if enabled else None
@@ -48,6 +57,9 @@ class MetricsLogger:
         done = step - self.start_step
         elapsed = time.perf_counter() - self.start_time
         eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
+        if math.isfinite(self.deadline):
+            left = max(self.deadline - time.perf_counter(), 0.0)
+            eta = left if math.isnan(eta) else min(eta, left)
         width = 20
         filled = int(width * step / max(self.total_steps, 1))
         bar = "#" * filled + "." * (width - filled)

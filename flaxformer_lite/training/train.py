@@ -149,6 +149,15 @@ def _check_workdir(config, workdir: Path) -> None:
             )
 
 
+def _all_agree(flag: bool) -> bool:
+    """``flag`` as process 0 sees it, on every process (one process: ``flag``)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
 def _evaluate(p_eval, par: DataParallel, state, batches) -> dict[str, float]:
     total = None
     params = evaluation_params(state)
@@ -226,12 +235,14 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     checkpoints = ckpt_lib.Checkpoints(
         workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
     )
+    spent_before = 0.0  # minutes of training commands behind the restored checkpoint
     if checkpoints.latest_step() is None and t.embedding_init == "ppmi":
         state = state.replace(params=_ppmi_embedding_params(config, data.tokenizer, state.params))
     if checkpoints.latest_step() is not None:
         state, data_state = checkpoints.restore(state)
         if "iterator" in data_state:
             iterator.set_state(data_state["iterator"])
+        spent_before = float(data_state.get("train_minutes", 0.0))
         print(f"resumed from step {int(state.step)} in {workdir}")
     start = int(state.step)
 
@@ -256,17 +267,35 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     step_flops = flops.train_step_flops(
         model_config, t.batch_size, d.max_length, d.max_length, d.task
     )
-    logger = MetricsLogger(workdir, t.num_steps, enabled=is_chief)
+    # train.max_minutes is the budget of the run, over resumes: a re-run of a finished
+    # budget trains nothing, an interrupted one gets what is left. A new run takes at
+    # least one step, so that it leaves a checkpoint.
+    deadline = wall_start + 60 * (t.max_minutes - spent_before) if t.max_minutes else math.inf
+    first = start + 1
+    if 0 < start < t.num_steps and _all_agree(time.perf_counter() >= deadline):
+        print(
+            f"train.max_minutes={t.max_minutes:g} already spent on this run "
+            f"({spent_before:.1f} min behind step {start}); nothing to train"
+        )
+        first = t.num_steps + 1
+    logger = MetricsLogger(workdir, t.num_steps, enabled=is_chief, deadline=deadline)
     state = par.put_state(state)
     final: dict[str, float] = {}
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
     try:
-        for step in range(start + 1, t.num_steps + 1):
+        for step in range(first, t.num_steps + 1):
             batch = next(iterator)
             window_tokens += int((batch["targets"] != 0).sum())
             window_steps += 1
             state, metrics = p_train(state, par.put_batch(batch))
-            last = step == t.num_steps
+            # Every process must stop at the same step: the chief's clock decides (checked
+            # at logging steps when there are several processes, to spare a collective).
+            out_of_time = (
+                math.isfinite(deadline)
+                and (jax.process_count() == 1 or step % t.log_every == 0)
+                and _all_agree(time.perf_counter() >= deadline)
+            )
+            last = step == t.num_steps or out_of_time
             if step % t.log_every == 0 or last:
                 m = par.metrics_to_host(metrics)
                 _check_finite(m, step, checkpoints, t.log_every)
@@ -300,10 +329,14 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             if step % t.checkpoint_every == 0 or last:
                 m = par.metrics_to_host(metrics)
                 _check_finite(m, step, checkpoints, t.log_every)
-                checkpoints.save(step, par.unreplicate(state), {"iterator": iterator.get_state()})
+                spent = spent_before + (time.perf_counter() - wall_start) / 60
+                data_state = {"iterator": iterator.get_state(), "train_minutes": spent}
+                checkpoints.save(step, par.unreplicate(state), data_state)
             if step % t.eval_every == 0 or step % t.checkpoint_every == 0:
                 # Evaluation and saving are not training time.
                 window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+            if last:
+                break
     finally:
         iterator.close()
         checkpoints.close()
@@ -311,8 +344,14 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     if not final:  # nothing left to train: report the checkpoint's validation metrics
         final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
     minutes = (time.perf_counter() - wall_start) / 60
+    stopped = int(par.unreplicate(state).step)
+    budget = (
+        f" (train.max_minutes={t.max_minutes:g} reached before step {t.num_steps})"
+        if stopped < t.num_steps
+        else ""
+    )
     print(
-        f"done: step {t.num_steps} ({t.num_steps - start} this run) in {minutes:.1f} min; "
+        f"done: step {stopped} ({stopped - start} this run) in {minutes:.1f} min{budget}; "
         f"validation loss {final['loss']:.4f}, accuracy {final['accuracy']:.4f}, "
         f"perplexity {final['perplexity']:.2f}; checkpoints in {workdir}"
     )
