@@ -470,6 +470,7 @@ def test_reverse_tag_trains_both_directions(fixture_data, tmp_path):
     configured direction stays untagged (the Translator needs no tag)."""
     _, data_dir = fixture_data
     config = debug_config(data_dir)
+    config.data.train_splits = "train"  # the default's tagged phrase pairs aside
     config.data.reverse_tag = "<2en>"
     data = prepare_data(config, tmp_path)
     sp = data.tokenizer.sp
@@ -497,6 +498,7 @@ def test_reverse_tag_trains_both_directions(fixture_data, tmp_path):
     assert not any(tag in ex["inputs"] or tag in ex["targets"] for ex in data.validation)
     # With tagged auxiliary pairs, both tags lead the reversed source; no target holds one.
     config.data.train_splits = "train,train_phrases"
+    config.data.aux_min_count = 0  # every phrase pair
     config.data.aux_tag = "<dict>"
     data = prepare_data(config, tmp_path / "with_aux")
     sp = data.tokenizer.sp
