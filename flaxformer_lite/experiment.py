@@ -39,6 +39,10 @@ EXPERIMENT_SECTIONS = {
         # reserved symbol) starting the reversed source; "" = one direction only. The
         # configured direction stays untagged, so translation needs no tag.
         "reverse_tag": str,
+        # An auxiliary split:N draws a fresh N of its (filtered) pairs every epoch, in
+        # turn, so all of them are seen while they keep the share of N; False = the same
+        # fixed N every epoch
+        "resample_subsets": bool,
         "eval_split": str,
         "test_split": str,
         "max_length": int,  # tokens per side (incl. EOS); also the packed row length
@@ -95,7 +99,13 @@ EXPERIMENT_SECTIONS = {
 }
 # Fields added after runs were saved: a saved config without them means these values.
 ADDED_FIELDS = {
-    "data": {"aux_min_count": 0, "aux_tag": "", "reverse_tag": "", "subword_alpha": 0.0},
+    "data": {
+        "aux_min_count": 0,
+        "aux_tag": "",
+        "reverse_tag": "",
+        "subword_alpha": 0.0,
+        "resample_subsets": False,
+    },
     "train": {
         "concurrent_splits": 1,
         "embedding_init": "random",
@@ -195,7 +205,18 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(f"config.data.too_long={d.too_long!r}; choose drop or truncate")
     if d.task not in TASKS:
         raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
-    parse_train_splits(d.train_splits)
+    splits = parse_train_splits(d.train_splits)
+    if d.resample_subsets and not any(limit for _, limit in splits[1:]):
+        raise ConfigError(
+            f"config.data.resample_subsets=True draws from an auxiliary split:N, but "
+            f"train_splits={d.train_splits!r} has none (e.g. train,train_phrases:8000); "
+            "name one or set it False"
+        )
+    if d.resample_subsets and (d.subword_alpha or d.stream):
+        raise ConfigError(
+            "config.data.resample_subsets=True cannot be combined with subword_alpha > 0 or "
+            "stream=True (each redraws the epoch's examples its own way); turn one off"
+        )
     if not 0.0 <= d.subword_alpha <= 1.0:
         raise ConfigError(
             f"config.data.subword_alpha={d.subword_alpha} must be in [0, 1] (0 = off; "
@@ -330,6 +351,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "aux_min_count": 0,
             "aux_tag": "",
             "reverse_tag": "",
+            "resample_subsets": False,
             "eval_split": "validation",
             "test_split": "test",
             "max_length": 64,

@@ -187,6 +187,43 @@ def test_epochs_reshuffle_and_processes_are_disjoint():
         pipeline.train_iterator(exs[:3], batch_size=4, max_length=24, seed=0)
 
 
+def test_subset_sampler_draws_each_pool_in_turn():
+    def ex(i):
+        return {"inputs": np.array([i, 1], np.int32), "targets": np.array([i, 1], np.int32)}
+
+    fixed, pool = [ex(i) for i in range(5)], [ex(100 + i) for i in range(10)]
+    sampler = pipeline.SubsetSampler(fixed, [(pool, 4)], seed=0)
+    assert len(sampler) == 9
+    epochs = [sampler(e) for e in range(5)]  # 20 draws: two passes over the pool
+    assert all(_same_examples(e[:5], fixed) and len(e) == 9 for e in epochs)
+    first = [int(x["inputs"][0]) for e in epochs[:2] for x in e[5:]] + [
+        int(x["inputs"][0]) for x in epochs[2][5:7]
+    ]
+    assert sorted(first) == list(range(100, 110)), "the pool once before any repeat"
+    drawn = sorted(int(x["inputs"][0]) for e in epochs for x in e[5:])
+    assert drawn == sorted(list(range(100, 110)) * 2)
+    assert _same_examples(sampler(3), epochs[3]), "the same epoch draws the same pairs"
+    other = pipeline.SubsetSampler(fixed, [(pool, 4)], seed=1)
+    assert not all(_same_examples(other(e), epochs[e]) for e in range(5))
+    with pytest.raises(ValueError, match="cannot draw 11 of a pool of 10"):
+        pipeline.SubsetSampler(fixed, [(pool, 11)], seed=0)
+    # Packed batches over the draws resume exactly.
+    kw = dict(batch_size=2, max_length=8, seed=3, resample=sampler)
+    it = pipeline.train_iterator(sampler(0), **kw)
+    for _ in range(7):
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(6)]
+    it.close()
+    again = pipeline.train_iterator(sampler(0), **kw)
+    again.set_state(state)
+    for want in expected:
+        got = next(again)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    again.close()
+
+
 def _same_examples(a, b):
     return len(a) == len(b) and all(
         np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x

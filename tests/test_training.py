@@ -509,6 +509,39 @@ def test_reverse_tag_trains_both_directions(fixture_data, tmp_path):
     assert len(both) == len(phrases)
 
 
+def test_resampled_auxiliary_subset(fixture_data, tmp_path):
+    """data.resample_subsets: split:N keeps all its pairs in a pool and each epoch
+    draws N of them in turn (per direction with reverse_tag), the main split fixed;
+    a short run trains on the draws."""
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=4, checkpoint_every=4, eval_every=4)
+    config.data.train_splits = "train,train_phrases:3"
+    config.data.aux_min_count = 0
+    config.data.aux_tag = "<dict>"
+    config.data.resample_subsets = True
+    data = prepare_data(config, tmp_path / "data")
+    main = pipeline.load_texts("ding_de_en", "train", ("en", "de"), data_dir)
+    phrases = pipeline.load_texts("ding_de_en", "train_phrases", ("en", "de"), data_dir)
+    assert len(phrases) > 3
+    assert len(data.train) == len(main)
+    [(pool, count)] = data.train_pools
+    assert (len(pool), count) == (len(phrases), 3)
+    tag = data.tokenizer.sp.piece_to_id("<dict>")
+    assert tag != UNK_ID and all(tag in ex["inputs"][:2] for ex in pool)
+    sampler = data.sampler(0)
+    epochs = [sampler(e) for e in range(len(phrases))]  # 3 full passes over the pool
+    assert all(len(e) == len(main) + 3 for e in epochs)
+    drawn = [tuple(ex["inputs"]) for e in epochs for ex in e[len(main) :]]
+    assert sorted(drawn) == sorted([tuple(ex["inputs"]) for ex in pool] * 3)
+    with_reverse = config.copy_and_resolve_references()
+    with_reverse.data.reverse_tag = "<2en>"
+    data = prepare_data(with_reverse, tmp_path / "reverse")
+    assert len(data.train) == 2 * len(main)
+    assert [(len(p), n) for p, n in data.train_pools] == [(len(phrases), 3)] * 2
+    metrics = train_and_evaluate(config, tmp_path / "run")
+    assert np.isfinite(metrics["loss"])
+
+
 def test_known_word_pairs():
     main = [("The house is old.", "Das Haus ist alt."), ("A house.", "Ein Haus.")]
     counts = pipeline.word_counts(main)
@@ -563,6 +596,14 @@ def test_config_errors_come_before_data(tmp_path):
         validate_experiment(config)
     config.optimizer.cooldown_steps = 0
     validate_experiment(config)
+    config = load_config()
+    config.data.resample_subsets, config.data.train_splits = True, "train,train_phrases"
+    with pytest.raises(ConfigError, match="resample_subsets=True draws from an auxiliary"):
+        validate_experiment(config)
+    config = load_config()
+    config.data.resample_subsets, config.data.subword_alpha = True, 0.2
+    with pytest.raises(ConfigError, match="resample_subsets=True cannot be combined"):
+        validate_experiment(config)
     config = load_config("lm_long_sparse")
     config.data.subword_alpha = 0.2
     with pytest.raises(ConfigError, match="does not apply to data.stream=True"):

@@ -217,6 +217,43 @@ class SubwordSampler:
         return out
 
 
+class SubsetSampler:
+    """Epoch ``e``'s training examples: all of ``fixed``, then ``count`` examples of
+    each ``(pool, count)`` in ``pools``, drawn in turn from a reshuffled pool (one
+    permutation after another, seeded by ``seed``), so every example of a pool is
+    seen once before any is seen again, and each epoch has the same number of
+    examples (``data.resample_subsets``). Deterministic per (seed, epoch)."""
+
+    def __init__(self, fixed, pools, seed: int):
+        self.fixed, self.seed = list(fixed), seed
+        self.pools = [(list(pool), count) for pool, count in pools]
+        for pool, count in self.pools:
+            if not 0 < count <= len(pool):
+                raise ValueError(f"cannot draw {count} of a pool of {len(pool)} examples")
+
+    def __len__(self) -> int:
+        return len(self.fixed) + sum(count for _, count in self.pools)
+
+    def indices(self, k: int, epoch: int) -> np.ndarray:
+        """Pool ``k``'s draw for ``epoch``: positions ``epoch * count`` onwards in the
+        endless sequence of the pool's permutations."""
+        pool, count = self.pools[k]
+        start, out = epoch * count, []
+        while count > 0:
+            cycle, offset = divmod(start, len(pool))
+            perm = np.random.default_rng([self.seed, k, cycle]).permutation(len(pool))
+            chunk = perm[offset : offset + count]
+            out.append(chunk)
+            start, count = start + len(chunk), count - len(chunk)
+        return np.concatenate(out)
+
+    def __call__(self, epoch: int) -> list[dict[str, np.ndarray]]:
+        out = list(self.fixed)
+        for k, (pool, _) in enumerate(self.pools):
+            out += [pool[i] for i in self.indices(k, epoch)]
+        return out
+
+
 def _pad_batch(examples: Sequence[dict[str, np.ndarray]], length: int) -> dict[str, np.ndarray]:
     batch = {}
     for key in examples[0]:

@@ -56,6 +56,16 @@ class TranslationData:
     stats: dict[str, pipeline.PipelineStats]
     validation_texts: list[tuple[str, ...]]  # for BLEU during training
     train_texts: list[tuple[str, ...]] | None = None  # of ``train``; for subword sampling
+    # data.resample_subsets: (pool of examples, how many of it each epoch draws); the
+    # epoch's examples are ``train`` plus those draws (pipeline.SubsetSampler)
+    train_pools: list[tuple[list[dict[str, np.ndarray]], int]] = dataclasses.field(
+        default_factory=list
+    )
+
+    def sampler(self, seed: int) -> pipeline.SubsetSampler | None:
+        return (
+            pipeline.SubsetSampler(self.train, self.train_pools, seed) if self.train_pools else None
+        )
 
 
 def _features(d) -> tuple[str, ...]:
@@ -69,6 +79,7 @@ def prepare_data(config, workdir: Path) -> TranslationData:
     features = _features(d)
     train_pairs: list[tuple[str, ...]] = []
     reversed_pairs: list[tuple[str, str]] = []  # data.reverse_tag: target -> source, tagged
+    pool_pairs: list[tuple[list, list, int]] = []  # resample_subsets: (fwd, rev, per epoch)
     counts = None  # word counts of the first split, per feature (for aux_min_count)
     splits = parse_train_splits(d.train_splits)
     for i, (name, limit) in enumerate(splits):
@@ -82,19 +93,30 @@ def prepare_data(config, workdir: Path) -> TranslationData:
                 f"{name}: kept {len(texts)} of {before} pairs whose words all occur >= "
                 f"{d.aux_min_count}x in {splits[0][0]}"
             )
-        texts = pipeline.fixed_subset(texts, limit)
+        draw = d.resample_subsets and i > 0 and limit is not None and limit < len(texts)
+        if not draw:
+            texts = pipeline.fixed_subset(texts, limit)
         # The source says where the pair comes from (aux_tag) and which way it goes.
         aux = f"{d.aux_tag} " if i > 0 and d.aux_tag else ""
-        train_pairs += [(aux + t[0], *t[1:]) for t in texts]
-        if d.reverse_tag:
-            reversed_pairs += [(f"{d.reverse_tag} {aux}{tgt}", src) for src, tgt in texts]
+        forward = [(aux + t[0], *t[1:]) for t in texts]
+        backward = (
+            [(f"{d.reverse_tag} {aux}{tgt}", src) for src, tgt in texts] if d.reverse_tag else []
+        )
+        if draw:  # all of them; each epoch draws `limit` (of each direction on its own)
+            pool_pairs.append((forward, backward, limit))
+        else:
+            train_pairs += forward
+            reversed_pairs += backward
     eval_pairs = pipeline.load_texts(d.dataset, d.eval_split, features, d.data_dir)
+
+    # The tokenizer learns from one direction: the fixed pairs and every pool pair.
+    tokenizer_pairs = train_pairs + [pair for forward, _, _ in pool_pairs for pair in forward]
 
     def sentences():
         rng = np.random.default_rng(0)
-        order = rng.permutation(len(train_pairs))[: d.tokenizer_max_sentences // len(features)]
+        order = rng.permutation(len(tokenizer_pairs))[: d.tokenizer_max_sentences // len(features)]
         for i in order:
-            yield from train_pairs[i]
+            yield from tokenizer_pairs[i]
 
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
     tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
@@ -110,6 +132,21 @@ def prepare_data(config, workdir: Path) -> TranslationData:
         validation, eval_stats = pipeline.tokenize_pairs(
             eval_pairs, tokenizer, d.max_length, "truncate"
         )
+    pools = []
+    for pairs, count in [(p, n) for fwd, bwd, n in pool_pairs for p in (fwd, bwd) if p]:
+        pool, stats = pipeline.tokenize_pairs(pairs, tokenizer, d.max_length, d.too_long)
+        train_stats = pipeline.PipelineStats(
+            *(
+                a + b
+                for a, b in zip(
+                    dataclasses.astuple(train_stats), dataclasses.astuple(stats), strict=True
+                )
+            )
+        )
+        if len(pool) > count:
+            pools.append((pool, count))
+        else:  # fewer left than drawn (too-long pairs dropped): all of them, every epoch
+            train += pool
     return TranslationData(
         tokenizer,
         train,
@@ -117,6 +154,7 @@ def prepare_data(config, workdir: Path) -> TranslationData:
         {"train": train_stats, "validation": eval_stats},
         eval_pairs,
         train_texts,
+        pools,
     )
 
 
@@ -210,6 +248,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             f"tokens dropped, {st.truncated} truncated, {st.dropped_empty} empty skipped), "
             f"{len(data.validation)} validation pairs"
         )
+    if data.train_pools:  # the count above holds every pool in full
+        draws = " + ".join(f"{n} drawn in turn from {len(p)}" for p, n in data.train_pools)
+        print(f"data: an epoch holds {len(data.train)} fixed pairs + {draws}")
 
     model = build_model(model_config, d.task)
     tx, schedule = make_optimizer(config.optimizer, model_config, t.num_steps)
@@ -218,8 +259,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         f"model: {parameter_count(state.params):,} parameters; {par.num_devices} "
         f"{jax.devices()[0].platform} device(s), parallelism={par.kind}"
     )
+    sampler = data.sampler(t.seed)
     iterator = pipeline.train_iterator(
-        data.train,
+        sampler(0) if sampler else data.train,
         batch_size=t.batch_size // jax.process_count(),
         max_length=d.max_length,
         seed=t.seed,
@@ -230,7 +272,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             data.train_texts, data.train, data.tokenizer, d.subword_alpha, d.max_length, t.seed
         )
         if data.train_texts is not None
-        else None,
+        else sampler,
     )
     checkpoints = ckpt_lib.Checkpoints(
         workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
