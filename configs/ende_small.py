@@ -9,10 +9,10 @@ cores, at most 2,000): 256 wide, 3+3 layers,
 tokens, pre-LN. The paper's recipe otherwise: sinusoids, tied embeddings,
 Adam(0.9, 0.98, 1e-9) with the noam schedule, label smoothing 0.1. Additions for
 the small data: the shared embeddings start from bilingual PPMI co-occurrence
-vectors of the training pairs and dictionary phrases, 8k of those phrases as extra
-training pairs (tagged ``<dict>``), dropout 0.2 (0.1 on the attention weights), and
-evaluation uses an exponential moving average of the parameters (``make demo``
-then translates with the mean of the last four checkpoints' averages).
+vectors of the training pairs and dictionary phrases, a fresh 8k of 22k of those
+phrases as extra training pairs every epoch (tagged ``<dict>``), dropout 0.2 (0.1
+on the attention weights), and evaluation uses an exponential moving average of the
+parameters (``make demo`` then translates with the mean of the last four checkpoints' averages).
 """
 
 from flaxformer_lite.config import ModelConfig
@@ -56,6 +56,10 @@ def get_config(arg: str | None = None):
     config.data.train_splits = "train,train_phrases:8000"
     config.data.aux_min_count = 2
     config.data.aux_tag = "<dict>"
+    # ... and a fresh 8k every epoch, in turn, so all 22k are seen at the same share:
+    # validation nll at step 1,400 3.351 / 3.338 (two seeds) vs 3.393 / 3.383 with a
+    # fixed 8k; test BLEU 8.03 / 7.70 vs 7.79 / 7.13 (validation 6.75 / 7.72 vs 7.72 / 7.26).
+    config.data.resample_subsets = True
     config.data.max_length = 64  # packed row length; 99% of sentences are < 35 pieces
     config.train.batch_size = 32  # rows of 64 tokens: ~2k target tokens a step
     # Two independent halves per step keep both CPU cores busy (MFU 0.51 -> 0.56 in

@@ -41,7 +41,7 @@ EXPERIMENT_SECTIONS = {
         "reverse_tag": str,
         # An auxiliary split:N draws a fresh N of its (filtered) pairs every epoch, in
         # turn, so all of them are seen while they keep the share of N; False = the same
-        # fixed N every epoch
+        # fixed N every epoch (no effect on splits without :N)
         "resample_subsets": bool,
         "eval_split": str,
         "test_split": str,
@@ -205,13 +205,7 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(f"config.data.too_long={d.too_long!r}; choose drop or truncate")
     if d.task not in TASKS:
         raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
-    splits = parse_train_splits(d.train_splits)
-    if d.resample_subsets and not any(limit for _, limit in splits[1:]):
-        raise ConfigError(
-            f"config.data.resample_subsets=True draws from an auxiliary split:N, but "
-            f"train_splits={d.train_splits!r} has none (e.g. train,train_phrases:8000); "
-            "name one or set it False"
-        )
+    parse_train_splits(d.train_splits)  # resample_subsets only touches split:N after the first
     if d.resample_subsets and (d.subword_alpha or d.stream):
         raise ConfigError(
             "config.data.resample_subsets=True cannot be combined with subword_alpha > 0 or "

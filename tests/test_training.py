@@ -597,10 +597,6 @@ def test_config_errors_come_before_data(tmp_path):
     config.optimizer.cooldown_steps = 0
     validate_experiment(config)
     config = load_config()
-    config.data.resample_subsets, config.data.train_splits = True, "train,train_phrases"
-    with pytest.raises(ConfigError, match="resample_subsets=True draws from an auxiliary"):
-        validate_experiment(config)
-    config = load_config()
     config.data.resample_subsets, config.data.subword_alpha = True, 0.2
     with pytest.raises(ConfigError, match="resample_subsets=True cannot be combined"):
         validate_experiment(config)
