@@ -206,11 +206,6 @@ def validate_experiment(config) -> ModelConfig:
     if d.task not in TASKS:
         raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
     parse_train_splits(d.train_splits)  # resample_subsets only touches split:N after the first
-    if d.resample_subsets and (d.subword_alpha or d.stream):
-        raise ConfigError(
-            "config.data.resample_subsets=True cannot be combined with subword_alpha > 0 or "
-            "stream=True (each redraws the epoch's examples its own way); turn one off"
-        )
     if not 0.0 <= d.subword_alpha <= 1.0:
         raise ConfigError(
             f"config.data.subword_alpha={d.subword_alpha} must be in [0, 1] (0 = off; "
@@ -240,6 +235,12 @@ def validate_experiment(config) -> ModelConfig:
         raise ConfigError(
             f"config.data.stream=True needs data.task='lm' (it is {d.task!r}): translation "
             "pairs cannot be cut into running text"
+        )
+    if d.resample_subsets and (d.subword_alpha or d.stream):
+        raise ConfigError(
+            "config.data.resample_subsets=True cannot be combined with subword_alpha > 0 or "
+            "stream=True (each redraws the epoch's examples its own way); set "
+            "data.resample_subsets=False or turn the other off"
         )
     if d.task == "translation" and d.source_lang == d.target_lang:
         raise ConfigError(f"config.data.source_lang and target_lang are both {d.source_lang!r}")
