@@ -87,6 +87,11 @@ EXPERIMENT_SECTIONS = {
         # >0: the last cooldown_steps updates scale the schedule down linearly to zero
         # (warmup-stable-decay; the noam tail is otherwise still at half its peak)
         "cooldown_steps": int,
+        # >0: the last fraction of the run scales the learning rate down linearly to zero,
+        # the run's end being train.num_steps or train.max_minutes, whichever comes
+        # first (the factor is computed from the clock each step; unlike cooldown_steps
+        # it works with a wall-clock budget)
+        "cooldown_fraction": float,
         "clip_grad_norm": float,  # 0 = off
         "grad_accum_steps": int,  # >1: optax.MultiSteps
         "weight_decay": float,  # 0 = Adam (paper); >0 = AdamW
@@ -112,7 +117,12 @@ ADDED_FIELDS = {
         "embedding_init_splits": "",
         "max_minutes": 0.0,
     },
-    "optimizer": {"ema_decay": 0.0, "embedding_lr_scale": 1.0, "cooldown_steps": 0},
+    "optimizer": {
+        "ema_decay": 0.0,
+        "embedding_lr_scale": 1.0,
+        "cooldown_steps": 0,
+        "cooldown_fraction": 0.0,
+    },
 }
 
 
@@ -313,7 +323,19 @@ def validate_experiment(config) -> ModelConfig:
             f"config.train.max_minutes={t.max_minutes} stops at a step nobody knows in "
             f"advance, but optimizer.schedule={o.schedule!r} with cooldown_steps="
             f"{o.cooldown_steps} is shaped by train.num_steps; use the noam or constant "
-            "schedule without a cooldown, or set max_minutes=0"
+            "schedule with optimizer.cooldown_fraction instead of cooldown_steps, or set "
+            "max_minutes=0"
+        )
+    if not 0.0 <= o.cooldown_fraction < 1.0:
+        raise ConfigError(
+            f"config.optimizer.cooldown_fraction={o.cooldown_fraction} must be in [0, 1): "
+            "the share of the run (steps or minutes) over which the learning rate falls "
+            "to zero (0 = none; 0.2-0.5 are usual)"
+        )
+    if o.cooldown_fraction and o.cooldown_steps:
+        raise ConfigError(
+            f"config.optimizer.cooldown_fraction={o.cooldown_fraction} and cooldown_steps="
+            f"{o.cooldown_steps} are two cooldowns; set one of them to 0"
         )
     updates = t.num_steps // o.grad_accum_steps
     if not 0 <= o.cooldown_steps <= max(updates - o.warmup_steps, 0):
@@ -386,6 +408,7 @@ def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
             "learning_rate": 1.0,
             "warmup_steps": 4000,
             "cooldown_steps": 0,
+            "cooldown_fraction": 0.0,
             "clip_grad_norm": 0.0,
             "grad_accum_steps": 1,
             "weight_decay": 0.0,

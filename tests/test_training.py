@@ -1,6 +1,7 @@
 """Training: schedules, loss, pmap == jit, resume, bad input, the CLI."""
 
 import functools
+import json
 import os
 import pathlib
 import subprocess
@@ -25,6 +26,7 @@ from flaxformer_lite.training.average import abstract_train_state, average_workd
 from flaxformer_lite.training.parallel import DataParallel
 from flaxformer_lite.training.state import (
     TrainState,
+    build_model,
     create_train_state,
     evaluation_params,
     make_optimizer,
@@ -63,6 +65,79 @@ def test_noam_peak_and_scale():
     values = [float(s(c)) for c in range(3990, 4010)]
     assert max(values) == pytest.approx(2 * 512**-0.5 * 4000**-0.5, rel=1e-5)
     assert int(np.argmax(values)) + 3990 + 1 == 4000
+
+
+def test_cooldown_factor_by_steps_is_with_cooldown():
+    """With no clock the host-side factor is the in-graph cooldown of
+    ``fraction * num_steps`` updates, update for update (``step`` is 1-based)."""
+    ramp = schedules.with_cooldown(schedules.constant(1.0), total_steps=50, cooldown_steps=10)
+    for step in range(1, 51):
+        got = schedules.cooldown_factor(0.2, step, 50)
+        assert got == pytest.approx(float(ramp(step - 1)), abs=1e-7), step
+    assert schedules.cooldown_factor(0.2, 50, 50) == pytest.approx(0.1)
+    assert schedules.cooldown_factor(0.0, 50, 50) == 1.0
+
+
+def test_cooldown_factor_by_time_and_the_nearer_end():
+    f = functools.partial(schedules.cooldown_factor, 0.25, num_steps=1000, budget_seconds=400.0)
+    assert f(step=10, seconds_left=300.0) == 1.0  # before the last 100 s
+    assert f(step=10, seconds_left=100.0) == pytest.approx(1.0)
+    assert f(step=10, seconds_left=50.0) == pytest.approx(0.5)
+    assert f(step=10, seconds_left=-5.0) == 0.0  # past the deadline: no update at all
+    # The steps end first: their ramp wins (update 951 of 1000 has 50 of 250 left).
+    assert f(step=951, seconds_left=300.0) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="cooldown fraction 1.5 must be in"):
+        schedules.cooldown_factor(1.5, 1, 10)
+
+
+def test_lr_factor_scales_the_learning_rate_exactly():
+    """Adam, then the factor, then the parameter average: factor f is Adam at f
+    times the rate, and the average sees the scaled steps."""
+    params = {"w": jnp.array([1.0, -2.0, 3.0]), "b": jnp.array(0.5)}
+    grads = [
+        {"w": jnp.array([0.3, -0.1, 0.2]) * (k + 1), "b": jnp.array(0.1 - 0.05 * k)}
+        for k in range(3)
+    ]
+    opt = ml_collections.ConfigDict(
+        {
+            "b1": 0.9,
+            "b2": 0.98,
+            "eps": 1e-9,
+            "schedule": "constant",
+            "learning_rate": 1e-2,
+            "warmup_steps": 0,
+            "cooldown_steps": 0,
+            "cooldown_fraction": 0.5,
+            "clip_grad_norm": 0.0,
+            "grad_accum_steps": 1,
+            "weight_decay": 0.0,
+            "ema_decay": 0.9,
+        }
+    )
+    model = ModelConfig(d_model=8)
+    scaled, _ = make_optimizer(opt, model, 10)
+    factors = [1.0, 0.5, 0.25]
+    s_state, s_params = scaled.init(params), params
+    for g, f in zip(grads, factors, strict=True):
+        u, s_state = scaled.update(g, s_state, s_params, lr_factor=jnp.float32(f))
+        s_params = optax.apply_updates(s_params, u)
+    # The reference: plain Adam whose rate is the factor times 1e-2, at each step.
+    ref = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b1=0.9, b2=0.98, eps=1e-9)
+    r_state, r_params, ema = ref.init(params), params, None
+    for k, (g, f) in enumerate(zip(grads, factors, strict=True)):
+        r_state.hyperparams["learning_rate"] = jnp.float32(1e-2 * f)
+        u, r_state = ref.update(g, r_state, r_params)
+        r_params = optax.apply_updates(r_params, u)
+        w = 0.1 / (1 - 0.9 ** (k + 1))
+        new = r_params
+        ema = new if ema is None else jax.tree.map(lambda e, p, w=w: e + w * (p - e), ema, new)
+    for name in params:
+        np.testing.assert_allclose(s_params[name], r_params[name], rtol=1e-6)
+    state = TrainState(step=jnp.int32(3), params=s_params, opt_state=s_state, rng=None)
+    for name, value in evaluation_params(state).items():
+        np.testing.assert_allclose(value, ema[name], rtol=1e-6)
+    with pytest.raises(ValueError, match="call tx.update\\(g, s, params, lr_factor=f\\)"):
+        scaled.update(grads[0], s_state, s_params)
 
 
 def test_other_schedules():
@@ -171,7 +246,7 @@ def test_accuracy_is_argmax_and_ties_count_as_wrong():
 # Parallelism -----------------------------------------------------------------------
 
 
-def _tiny_setup(batch_size=8):
+def _tiny_setup(batch_size=8, cooldown_fraction=0.0):
     c = ModelConfig(
         vocab_size=60,
         d_model=32,
@@ -184,6 +259,7 @@ def _tiny_setup(batch_size=8):
         embedding_dropout=0.0,
     )
     config = load_config()
+    config.optimizer.cooldown_fraction = cooldown_fraction
     tx, schedule = make_optimizer(config.optimizer, c, 100)
     model = Transformer(c)
     state = create_train_state(model, tx, 0, 16)
@@ -200,25 +276,27 @@ def _tiny_setup(batch_size=8):
     return state, batches, step
 
 
-def _run(kind, state, batches, step_fn):
+def _run(kind, state, batches, step_fn, factors=None):
     par = DataParallel(kind)
     fn = par.train_step(step_fn.func, **step_fn.keywords)
     s = par.put_state(state)
     out = []
-    for b in batches:
-        s, m = fn(s, par.put_batch(b))
+    for b, f in zip(batches, factors or [None] * len(batches), strict=True):
+        s, m = fn(s, par.put_batch(b), f)
         out.append(par.metrics_to_host(m))
     return out, par.params_of(s)
 
 
-def test_pmap_equals_jit_on_8_devices():
+@pytest.mark.parametrize("factors", [None, [1.0, 0.6, 0.3]], ids=["schedule", "lr_factor"])
+def test_pmap_equals_jit_on_8_devices(factors):
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    state, batches, step = _tiny_setup()
-    jit_metrics, jit_params = _run("jit", state, batches, step)
-    state, _, _ = _tiny_setup()  # the jit run donated the first state's buffers
-    pmap_metrics, pmap_params = _run("pmap", state, batches, step)
+    cooldown = 0.5 if factors else 0.0
+    state, batches, step = _tiny_setup(cooldown_fraction=cooldown)
+    jit_metrics, jit_params = _run("jit", state, batches, step, factors)
+    state, _, _ = _tiny_setup(cooldown_fraction=cooldown)  # the jit run donated the state
+    pmap_metrics, pmap_params = _run("pmap", state, batches, step, factors)
     for a, b in zip(jit_metrics, pmap_metrics, strict=True):
-        for key in ("loss", "nll", "accuracy", "tokens", "grad_norm"):
+        for key in ("loss", "nll", "accuracy", "tokens", "grad_norm", "learning_rate"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
     # Key biases are skipped: their true gradient is exactly zero (a key bias adds the
     # same q.b to every logit of a row, which softmax ignores), so both paths compute
@@ -353,6 +431,37 @@ def test_time_budget_stops_early_with_a_checkpoint_and_resumes(fixture_data, tmp
     assert "done: step 6 (5 this run)" in capsys.readouterr().out
     _, step = _last_params(tmp_path, config)
     assert step == 6
+
+
+def _logged_rates(workdir) -> dict[int, float]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["learning_rate"] for r in records if r["split"] == "train"}
+
+
+def test_cooldown_fraction_ramps_the_rate_to_zero_by_steps_and_by_the_clock(
+    fixture_data, tmp_path, capsys
+):
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=6, log_every=1, eval_every=6, checkpoint_every=6)
+    config.optimizer.cooldown_fraction = 0.5
+    config.train.embedding_init = "random"  # the initial parameters are create_train_state's
+    train_and_evaluate(config, tmp_path / "steps")
+    assert "cooldown from step 5: the learning rate falls linearly to 0" in capsys.readouterr().out
+    noam = schedules.noam(config.model.d_model, config.optimizer.warmup_steps)
+    rates = _logged_rates(tmp_path / "steps")
+    for step, factor in ((1, 1.0), (4, 1.0), (5, 2 / 3), (6, 1 / 3)):
+        assert rates[step] == pytest.approx(float(noam(step - 1)) * factor, rel=1e-6), step
+    # A budget spent before the first step: the one step taken has a factor of 0, so
+    # it leaves the initial parameters as they were.
+    config.train.max_minutes = 1e-6
+    train_and_evaluate(config, tmp_path / "clock")
+    assert _logged_rates(tmp_path / "clock") == {1: 0.0}
+    params, step = _last_params(tmp_path / "clock", config)
+    assert step == 1
+    model = build_model(experiment.validate_experiment(config))
+    init = create_train_state(model, make_optimizer(config.optimizer, model.config, 6)[0], 0, 32)
+    jax.tree.map(np.testing.assert_array_equal, params, init.params)
 
 
 def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
@@ -596,6 +705,16 @@ def test_config_errors_come_before_data(tmp_path):
         validate_experiment(config)
     config.optimizer.cooldown_steps = 0
     validate_experiment(config)
+    config.optimizer.cooldown_fraction = 0.3  # the cooldown that works with a budget
+    validate_experiment(config)
+    config.train.max_minutes, config.optimizer.cooldown_steps = 0.0, 2
+    with pytest.raises(ConfigError, match="are two cooldowns; set one of them to 0"):
+        validate_experiment(config)
+    for fraction in (-0.1, 1.0):
+        config = load_config()
+        config.optimizer.cooldown_fraction = fraction
+        with pytest.raises(ConfigError, match=rf"cooldown_fraction={fraction} must be in \[0, 1\)"):
+            validate_experiment(config)
     config = load_config()
     config.data.resample_subsets, config.data.subword_alpha = True, 0.2
     with pytest.raises(ConfigError, match="resample_subsets=True cannot be combined"):

@@ -45,16 +45,28 @@ class DataParallel:
 
     # Steps ---------------------------------------------------------------------------
     def train_step(self, step_fn, **static):
+        """``step_fn(state, batch, lr_factor, **static)`` compiled for this
+        parallelism, called as ``step(state, batch)`` or ``step(state, batch,
+        lr_factor)``: the factor (a host float, the same on every device) is
+        replicated."""
         if self.kind == "pmap":
             fn = functools.partial(step_fn, axis_name=AXIS, **static)
-            return jax.pmap(fn, axis_name=AXIS, donate_argnums=(0,))
-        fn = functools.partial(step_fn, **static)
-        return jax.jit(
-            fn,
-            in_shardings=(self.replicated, self.batch_sharding),
-            out_shardings=(self.replicated, self.replicated),
-            donate_argnums=(0,),
-        )
+            compiled = jax.pmap(fn, axis_name=AXIS, in_axes=(0, 0, None), donate_argnums=(0,))
+        else:
+            fn = functools.partial(step_fn, **static)
+            compiled = jax.jit(
+                fn,
+                in_shardings=(self.replicated, self.batch_sharding, self.replicated),
+                out_shardings=(self.replicated, self.replicated),
+                donate_argnums=(0,),
+            )
+
+        def step(state, batch, lr_factor=None):
+            if lr_factor is not None:
+                lr_factor = np.float32(lr_factor)
+            return compiled(state, batch, lr_factor)
+
+        return step
 
     def eval_step(self, step_fn, **static):
         if self.kind == "pmap":

@@ -9,10 +9,15 @@ Any of them can end in a cooldown (``with_cooldown``): over the last
 ``cooldown_steps`` updates the rate is scaled down linearly to zero, as in
 warmup-stable-decay schedules. A short run otherwise stops with noam still at
 about half its peak, where the parameters rattle around a minimum they could
-settle into.
+settle into. A run with a wall-clock budget does not know its last step in
+advance: ``cooldown_factor`` is the same ramp over the last fraction of the
+run by steps or by the clock, computed by the training loop at every step and
+applied by the optimizer (``state.scale_by_lr_factor``).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import optax
@@ -67,6 +72,33 @@ def with_cooldown(schedule: optax.Schedule, total_steps: int, cooldown_steps: in
         return schedule(count) * jnp.clip(left / cooldown_steps, 0.0, 1.0)
 
     return cooled
+
+
+def cooldown_factor(
+    fraction: float,
+    step: int,
+    num_steps: int,
+    seconds_left: float = math.inf,
+    budget_seconds: float = math.inf,
+) -> float:
+    """The learning-rate factor for update ``step`` (1-based) of a run that ends
+    after ``num_steps`` updates or when the ``seconds_left`` of its
+    ``budget_seconds`` run out, whichever comes first: 1 until the last
+    ``fraction`` of the run, then falling linearly to 0 at its end.
+
+    By steps it is :func:`with_cooldown` with ``cooldown_steps = fraction *
+    num_steps``: update ``num_steps - k + 1`` is scaled by ``k / (fraction *
+    num_steps)``. By time, the factor is the seconds left over ``fraction *
+    budget_seconds``.
+    """
+    if fraction <= 0:
+        return 1.0
+    if not 0 < fraction < 1:
+        raise ValueError(f"cooldown fraction {fraction} must be in (0, 1)")
+    left = (num_steps - step + 1) / (fraction * num_steps)
+    if math.isfinite(budget_seconds):
+        left = min(left, seconds_left / (fraction * budget_seconds))
+    return min(max(left, 0.0), 1.0)
 
 
 def make_schedule(opt, d_model: int, total_steps: int) -> optax.Schedule:

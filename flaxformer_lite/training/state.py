@@ -69,6 +69,33 @@ def params_ema(decay: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
+def scale_by_lr_factor() -> optax.GradientTransformationExtraArgs:
+    """Scales the updates by a factor the caller passes to every update
+    (``tx.update(g, s, params, lr_factor=f)``), stateless.
+
+    Chained after Adam this scales the learning rate by ``f`` exactly. It is how a
+    factor that is not a function of the step count reaches the step: the
+    cooldown over the last part of a wall-clock budget (``optimizer.cooldown_fraction``),
+    which the training loop computes from its clock.
+    """
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, lr_factor=None, **extra_args):
+        del params, extra_args
+        if lr_factor is None:
+            raise ValueError(
+                "this optimizer scales its learning rate by a factor given at each "
+                "update: call tx.update(g, s, params, lr_factor=f)"
+            )
+        factor = jnp.asarray(lr_factor, jnp.float32)
+        return jax.tree.map(lambda u: u * factor.astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def evaluation_params(state: TrainState):
     """The parameters to evaluate and translate with: the moving average when the
     optimizer keeps one (``optimizer.ema_decay`` > 0), else the trained ones."""
@@ -94,7 +121,8 @@ def make_optimizer(opt, model: ModelConfig, total_steps: int):
 
     Adam(b1, b2, eps) with the schedule (AdamW if ``weight_decay`` > 0),
     optionally after global-norm clipping, with the token embeddings' updates
-    scaled by ``embedding_lr_scale``, then (``ema_decay`` > 0) the
+    scaled by ``embedding_lr_scale``, then (``cooldown_fraction`` > 0) by the
+    factor each update is given (:func:`scale_by_lr_factor`), then (``ema_decay`` > 0) the
     parameters' moving average (:func:`params_ema`); ``grad_accum_steps`` > 1
     wraps it in ``optax.MultiSteps`` (the schedule then counts real updates).
     """
@@ -111,6 +139,8 @@ def make_optimizer(opt, model: ModelConfig, total_steps: int):
     embedding_scale = opt.get("embedding_lr_scale", 1.0)
     if embedding_scale != 1.0:
         tx = optax.chain(tx, optax.masked(optax.scale(embedding_scale), _embedding_tables))
+    if opt.get("cooldown_fraction", 0.0) > 0:
+        tx = optax.chain(tx, scale_by_lr_factor())
     if opt.get("ema_decay", 0.0) > 0:
         tx = optax.chain(tx, params_ema(opt.ema_decay))
     if opt.grad_accum_steps > 1:

@@ -61,6 +61,7 @@ def _norm(tree) -> jax.Array:
 def train_step(
     state: TrainState,
     batch: dict,
+    lr_factor: jax.Array | None = None,
     *,
     model: nn.Module,
     tx: optax.GradientTransformation,
@@ -71,7 +72,12 @@ def train_step(
     concurrent_splits: int = 1,
     axis_name: str | None = None,
 ) -> tuple[TrainState, dict]:
-    """One optimizer (micro-)step; returns the new state and its measurements."""
+    """One optimizer (micro-)step; returns the new state and its measurements.
+
+    ``lr_factor`` (a float32 scalar) is passed on to the optimizer, whose
+    :func:`~flaxformer_lite.training.state.scale_by_lr_factor` multiplies the
+    learning rate by it: the time-based cooldown. None for an optimizer without one.
+    """
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     if axis_name is not None:
         rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
@@ -113,11 +119,15 @@ def train_step(
     if axis_name is not None:
         grads = lax.psum(grads, axis_name)
         sums = lax.psum(sums, axis_name)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    if lr_factor is None:
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    else:
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, lr_factor=lr_factor)
     params = optax.apply_updates(state.params, updates)
     metrics = losses.summarize(sums)
     metrics.update(
-        learning_rate=schedule(state.step // grad_accum_steps),
+        learning_rate=schedule(state.step // grad_accum_steps)
+        * (1.0 if lr_factor is None else lr_factor),
         grad_norm=_norm(grads),
         param_norm=_norm(params),
         update_norm=_norm(updates),

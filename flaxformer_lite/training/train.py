@@ -28,7 +28,7 @@ from flaxformer_lite.experiment import (
     validate_experiment,
     with_added_fields,
 )
-from flaxformer_lite.training import flops, losses
+from flaxformer_lite.training import flops, losses, schedules
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import DataParallel
 from flaxformer_lite.training.state import (
@@ -196,6 +196,16 @@ def _all_agree(flag: bool) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
+def _chief_value(x: float) -> float:
+    """``x`` as process 0 computed it, on every process (one process: ``x``): a
+    factor from the clock must be the same in every replica of the parameters."""
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return float(multihost_utils.broadcast_one_to_all(np.asarray(x, np.float32)))
+
+
 def _evaluate(p_eval, par: DataParallel, state, batches) -> dict[str, float]:
     total = None
     params = evaluation_params(state)
@@ -321,6 +331,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         )
         first = t.num_steps + 1
     logger = MetricsLogger(workdir, t.num_steps, enabled=is_chief, deadline=deadline)
+    cooldown = config.optimizer.cooldown_fraction
+    budget_seconds = 60 * t.max_minutes if t.max_minutes else math.inf
+    cooling = False
     state = par.put_state(state)
     final: dict[str, float] = {}
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
@@ -329,7 +342,24 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             batch = next(iterator)
             window_tokens += int((batch["targets"] != 0).sum())
             window_steps += 1
-            state, metrics = p_train(state, par.put_batch(batch))
+            lr_factor = None
+            if cooldown:
+                lr_factor = _chief_value(
+                    schedules.cooldown_factor(
+                        cooldown,
+                        step,
+                        t.num_steps,
+                        deadline - time.perf_counter(),
+                        budget_seconds,
+                    )
+                )
+                if lr_factor < 1 and not cooling and is_chief:
+                    logger.message(
+                        f"cooldown from step {step}: the learning rate falls linearly to 0 "
+                        f"over the last {cooldown:g} of the run"
+                    )
+                cooling = lr_factor < 1
+            state, metrics = p_train(state, par.put_batch(batch), lr_factor)
             # Every process must stop at the same step: the chief's clock decides (checked
             # at logging steps when there are several processes, to spare a collective).
             out_of_time = (
