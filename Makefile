@@ -53,6 +53,7 @@ demo: prepare
 bench: prepare
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python benchmarks/packing.py
 
 lint: setup
 	$(BIN)/ruff check .

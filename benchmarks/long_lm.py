@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite import experiment  # noqa: E402
+from flaxformer_lite.architectures import build_model  # noqa: E402
 from flaxformer_lite.config import model_config_from  # noqa: E402
 from flaxformer_lite.training import steps  # noqa: E402
-from flaxformer_lite.training.state import build_model, create_train_state, make_optimizer  # noqa: E402
+from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
 
 
 def load_config():

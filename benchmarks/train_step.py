@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,25 +39,14 @@ from common import BASE_LIKE, TINY  # noqa: E402
 
 from flaxformer_lite.architectures.transformer import Transformer  # noqa: E402
 from flaxformer_lite.config import ModelConfig  # noqa: E402
-from flaxformer_lite.data import pipeline  # noqa: E402
+from flaxformer_lite.data import pipeline, sources  # noqa: E402
+from flaxformer_lite.experiment import OptimizerConfig  # noqa: E402
 from flaxformer_lite.training import flops, steps  # noqa: E402
 from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
 
 BATCH, LENGTH = 32, 64
 SPLITS = 2  # train.concurrent_splits of configs/ende_small.py
-OPTIMIZER = ml_collections.ConfigDict(
-    dict(
-        b1=0.9,
-        b2=0.98,
-        eps=1e-9,
-        schedule="noam",
-        learning_rate=1.0,
-        warmup_steps=300,
-        clip_grad_norm=1.0,
-        grad_accum_steps=1,
-        weight_decay=0.0,
-    )
-)
+OPTIMIZER = OptimizerConfig(schedule="noam", warmup_steps=300, clip_grad_norm=1.0)
 
 
 def compiled_step(config: ModelConfig, splits: int = 1):
@@ -126,7 +114,7 @@ def measure(config: ModelConfig, label: str, n: int, rounds: int = 3, splits: in
 def real_vs_synthetic(n: int, data_dir: str) -> dict:
     from flaxformer_lite.data.tokenizer import Tokenizer, train_tokenizer
 
-    pairs = pipeline.load_text_pairs("ding_de_en", "train", "en", "de", data_dir)
+    pairs = sources.load_text_pairs("ding_de_en", "train", "en", "de", data_dir)
     tok_path = Path(data_dir) / "bench_tokenizer.model"
     tokenizer = (
         Tokenizer.load(tok_path)

@@ -8,7 +8,8 @@ Layout of a workdir::
   checkpoints_best/<step>/  the state with the best validation metric
   checkpoints_averaged/<step>/  parameters averaged over the last n checkpoints
 
-Used by training and by decoding; imports neither.
+Training writes checkpoints with :class:`Checkpoints`; :mod:`flaxformer_lite.run`
+reads them for inference. Imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 CONFIG_FILE = "config.json"
@@ -114,24 +114,26 @@ class Checkpoints:
         self.best.close()
 
 
-def available(workdir: str | Path, kind: str) -> int | None:
-    """The step of the newest checkpoint of ``kind`` (last/best/averaged), or None."""
-    directory = Path(workdir) / _DIRS[kind]
-    if not directory.is_dir():
-        return None
-    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
-    return max(steps) if steps else None
-
-
-def restore_params(workdir: str | Path, target_params: Any, kind: str = "best") -> tuple[Any, int]:
-    """Parameters of the newest checkpoint of ``kind``; returns (params, step).
-
-    ``target_params`` gives shapes/dtypes (e.g. ``jax.eval_shape`` of model.init).
-    """
+def steps(workdir: str | Path, kind: str = "last") -> list[int]:
+    """The steps of the complete checkpoints of ``kind`` (last/best/averaged), sorted."""
     if kind not in KINDS:
         raise CheckpointError(f"checkpoint kind {kind!r}; choose one of {', '.join(KINDS)}")
-    step = available(workdir, kind)
-    if step is None:
+    directory = Path(workdir) / _DIRS[kind]
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def available(workdir: str | Path, kind: str) -> int | None:
+    """The step of the newest checkpoint of ``kind`` (last/best/averaged), or None."""
+    kept = steps(workdir, kind)
+    return kept[-1] if kept else None
+
+
+def _pick_step(workdir: str | Path, kind: str, step: int | None) -> int:
+    """``step`` if a checkpoint of ``kind`` holds it, else (None) the newest; or a clear error."""
+    kept = steps(workdir, kind)
+    if not kept:
         raise CheckpointError(
             f"no {kind!r} checkpoint in {workdir}: train first "
             f"(python -m flaxformer_lite.main --workdir={workdir} ...)"
@@ -141,21 +143,40 @@ def restore_params(workdir: str | Path, target_params: Any, kind: str = "best") 
                 else ""
             )
         )
+    if step is None:
+        return kept[-1]
+    if step not in kept:
+        raise CheckpointError(
+            f"no checkpoint of step {step} in {Path(workdir) / _DIRS[kind]}; the "
+            f"steps kept are {', '.join(map(str, kept))}"
+        )
+    return step
+
+
+def _on_one_device(target):
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=device), target)
+
+
+def restore_params(
+    workdir: str | Path, target_params: Any, kind: str = "best", step: int | None = None
+) -> tuple[Any, int]:
+    """Parameters of a checkpoint of ``kind`` (default: its newest step), on one
+    device; returns (params, step). Of a full train state only the parameters are read.
+
+    ``target_params`` gives shapes/dtypes (e.g. ``jax.eval_shape`` of model.init).
+    """
+    step = _pick_step(workdir, kind, step)
     manager = _manager(Path(workdir) / _DIRS[kind], read_only=True)
     item = "params" if kind == "averaged" else "state"
     target = {"params": _abstract(target_params)}
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    restore_args = jax.tree.map(
-        lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=device), target
-    )
     try:
-        # Partial restore: only the parameters of a full train state are read.
         restored = manager.restore(
             step,
             args=ocp.args.Composite(
                 **{
                     item: ocp.args.PyTreeRestore(
-                        item=target, restore_args=restore_args, partial_restore=True
+                        item=target, restore_args=_on_one_device(target), partial_restore=True
                     )
                 }
             ),
@@ -170,78 +191,57 @@ def restore_params(workdir: str | Path, target_params: Any, kind: str = "best") 
     return restored[item]["params"], step
 
 
-def restore_last_state(
-    workdir: str | Path, target_state: Any, step: int | None = None
-) -> tuple[Any, int]:
-    """The whole train state of the newest ``last`` checkpoint (or of ``step``),
-    read-only; (state, step). For what the parameters alone do not hold, such as
-    their moving average."""
-    if step is None:
-        step = available(workdir, "last")
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {Path(workdir) / _DIRS['last']}: train first")
-    else:
-        directory = Path(workdir) / _DIRS["last"]
-        kept = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
-        if step not in kept:
-            raise CheckpointError(
-                f"no checkpoint of step {step} in {directory}; the steps kept are "
-                f"{', '.join(map(str, kept)) or 'none'}"
-            )
+def restore_state_part(workdir: str | Path, part: str, step: int | None = None) -> tuple[Any, int]:
+    """One top-level field (``params``, ``opt_state``, ...) of a ``last`` checkpoint's
+    train state, as stored (nested dicts and lists), on one device; (tree, step).
+
+    Read from the checkpoint's own metadata, so it needs no optimizer to describe it:
+    this is how inference reads the parameters' moving average of a run.
+    """
+    step = _pick_step(workdir, "last", step)
+    directory = (Path(workdir) / _DIRS["last"] / str(step) / "state").absolute()
+    try:
+        stored = ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
+    except Exception as e:  # unreadable metadata: truncated, deleted, foreign
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {workdir} is unreadable "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        ) from e
+    if part not in stored:
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {workdir} has no {part!r} (it has "
+            f"{', '.join(sorted(stored))})"
+        )
+    target = {part: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored[part])}
     manager = _manager(Path(workdir) / _DIRS["last"], read_only=True)
     try:
         restored = manager.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state))),
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=target, restore_args=_on_one_device(target), partial_restore=True
+                )
+            ),
         )
-    except ValueError as e:
-        raise CheckpointError(
-            f"the checkpoint at step {step} in {workdir} does not fit its config: {str(e)[:300]}"
-        ) from e
     finally:
         manager.close()
-    return restored["state"], step
+    return restored["state"][part], step
 
 
-def average_last(
-    workdir: str | Path, target_state: Any, num: int, params_of=None
-) -> tuple[int, list[int]]:
-    """Average the parameters of the last ``num`` checkpoints into ``checkpoints_averaged``.
+def save_params(workdir: str | Path, step: int, params: Any, kind: str = "averaged") -> Path:
+    """Write ``params`` as the one checkpoint of ``kind`` (the averaged parameters).
 
-    The paper averages the last 5 (base) or 20 (big) checkpoints. ``params_of``
-    picks the parameters of a restored state (default: ``state.params``; a run
-    with a parameter EMA passes its average). Returns (step of the newest
-    averaged checkpoint, steps averaged).
+    Written beside the old one and swapped in when complete, so a re-run replaces
+    it, and an interrupted one leaves it intact. Returns the step's folder.
     """
-    if num < 1:
-        raise CheckpointError(f"--num={num}: average at least one checkpoint")
-    checkpoints = Checkpoints(workdir)
-    steps = sorted(checkpoints.last.all_steps())[-num:]
-    if not steps:
-        raise CheckpointError(f"no checkpoints to average in {workdir}")
-    if len(steps) < num:
-        print(f"warning: only {len(steps)} checkpoints in {workdir}; averaging those")
-    total = None
-    for step in steps:
-        state, _ = checkpoints.restore(target_state, step)
-        if params_of is not None:
-            params = params_of(state)
-        else:
-            params = state.params if hasattr(state, "params") else state["params"]
-        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-        total = params if total is None else jax.tree.map(jnp.add, total, params)
-    checkpoints.close()
-    mean = jax.tree.map(lambda x: x / len(steps), total)
-    # Written beside the old average and swapped in when complete, so a re-run
-    # (another --num) replaces it, and an interrupted one leaves it intact.
-    target = Path(workdir) / _DIRS["averaged"]
+    target = Path(workdir) / _DIRS[kind]
     staging = target.with_name(target.name + ".incoming")
     replaced = target.with_name(target.name + ".replaced")
     shutil.rmtree(staging, ignore_errors=True)
     manager = _manager(staging, max_to_keep=1)
     manager.save(
-        steps[-1],
-        args=ocp.args.Composite(params=ocp.args.StandardSave({"params": mean})),
+        step,
+        args=ocp.args.Composite(params=ocp.args.StandardSave({"params": params})),
         force=True,
     )
     manager.wait_until_finished()
@@ -251,7 +251,7 @@ def average_last(
         target.rename(replaced)
     staging.rename(target)
     shutil.rmtree(replaced, ignore_errors=True)
-    return steps[-1], steps
+    return target / str(step)
 
 
 def write_config(workdir: str | Path, config_json: str) -> None:

@@ -5,99 +5,135 @@ preset (``PRESETS["paper_base"]``) and an ablation is one override
 (``ModelConfig(**{**asdict(base), "ln_position": "pre"})`` or, from the command
 line, ``--config.model.ln_position=pre``).
 
-A bad value raises :class:`ConfigError` when the config is built, naming the
-field, the value and what is allowed, so a typo never reaches XLA.
+Each field is declared once, with its type, default, allowed values and meaning
+(:func:`~flaxformer_lite.sections.option`); a bad value raises
+:class:`ConfigError` when the config is built, naming the field, the value and
+what is allowed, so a typo never reaches XLA.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_dict
 
+from flaxformer_lite.sections import (
+    NON_NEGATIVE,
+    POSITIVE,
+    RATE,
+    ConfigError,
+    Rule,
+    Section,
+    option,
+)
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
+__all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset", "register_check"]
 
-
-# Allowed names for the string-valued ablation hooks. Score functions are
-# validated against the registry in components/attention.py (so a newly
-# registered score function is accepted without editing this file).
+# Allowed names for the string-valued ablation hooks. Score functions and sparse
+# pattern specs are checked by their own registries (components/attention.py,
+# components/sparse.py), which add their checks with ``register_check``.
+ATTENTION_IMPLS = ("blocked", "reference")  # sparse self-attention: no n x n array | dense mask
 LN_POSITIONS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
 TIE_EMBEDDINGS = ("none", "src_tgt", "tgt_softmax", "all")
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+HEAD_WIDTH = Rule(lambda v: v is None or v > 0, "must be > 0, or None for d_model // num_heads")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     """Hyperparameters of the encoder-decoder Transformer and the decoder-only LM.
 
     Defaults are the paper's base model (Vaswani et al. 2017, Table 3).
     """
 
+    NAME = "model"
+
     # Sizes.
-    vocab_size: int = 37000  # shared source/target word-piece vocabulary (paper: ~37k BPE)
-    d_model: int = 512  # width of every sublayer output and of the embeddings
-    num_heads: int = 8  # h
-    d_k: int | None = None  # per-head query/key width; None = d_model // num_heads
-    d_v: int | None = None  # per-head value width; None = d_model // num_heads
-    d_ff: int = 2048  # inner width of the position-wise FFN
-    num_encoder_layers: int = 6  # N (encoder)
-    num_decoder_layers: int = 6  # N (decoder, and the decoder-only LM)
-    max_len: int = 512  # longest sequence: size of the learned-position table and the cache
+    vocab_size: int = option(37000, "shared source/target vocabulary (paper: ~37k)", rule=POSITIVE)
+    d_model: int = option(512, "width of every sublayer output and the embeddings", rule=POSITIVE)
+    num_heads: int = option(8, "attention heads h", rule=POSITIVE)
+    d_k: int | None = option(None, "per-head query/key width", rule=HEAD_WIDTH)
+    d_v: int | None = option(None, "per-head value width", rule=HEAD_WIDTH)
+    d_ff: int = option(2048, "inner width of the position-wise FFN", rule=POSITIVE)
+    num_encoder_layers: int = option(6, "encoder layers N", rule=NON_NEGATIVE)
+    num_decoder_layers: int = option(6, "decoder layers N (also the LM's)", rule=NON_NEGATIVE)
+    max_len: int = option(
+        512, "longest sequence: the learned-position table and the cache", rule=POSITIVE
+    )
 
     # Dropout (paper: 0.1 on embeddings+PE and on every sublayer output; none elsewhere).
-    embedding_dropout: float = 0.1  # on the sum of embeddings and positional encodings
-    residual_dropout: float = 0.1  # on each sublayer output before the residual add
-    attention_dropout: float = 0.0  # on the attention weights
-    ffn_dropout: float = 0.0  # on the FFN hidden activations
-    dropout_bits: int = 8  # random bits per dropout draw: 8 (fast; rate rounded to k/256) | 32
+    embedding_dropout: float = option(0.1, "on embeddings + positional encodings", rule=RATE)
+    residual_dropout: float = option(0.1, "on each sublayer output before the add", rule=RATE)
+    attention_dropout: float = option(0.0, "on the attention weights", rule=RATE)
+    ffn_dropout: float = option(0.0, "on the FFN hidden activations", rule=RATE)
+    dropout_bits: int = option(
+        8, "random bits per dropout draw (8: fast, rate rounded to k/256)", choices=(8, 16, 32)
+    )
     # Word dropout (Gal & Ghahramani 2016; Sennrich & Zhang 2019 for small-data NMT): while
     # training, each source / decoder-input token's embedding is replaced by zeros with this
     # probability (its position encoding stays), so the model cannot lean on any one word.
-    source_token_dropout: float = 0.0
-    target_token_dropout: float = 0.0
+    source_token_dropout: float = option(0.0, "word dropout on source tokens", rule=RATE)
+    target_token_dropout: float = option(0.0, "word dropout on decoder-input tokens", rule=RATE)
 
     # Ablation hooks.
-    score_fn: str = "scaled_dot"  # scaled_dot | dot | additive | bilinear | any registered name
-    ln_position: str = "post"  # post: LN(x + Sublayer(x)) as in the paper; pre: x + Sublayer(LN(x))
-    positional: str = "sinusoidal"  # sinusoidal (paper) | learned | none
-    tie_embeddings: str = "all"  # none | src_tgt | tgt_softmax | all (paper: src, tgt and softmax)
-    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (paper)
-    activation: str = "relu"  # FFN activation; the paper's max(0, .)
-    use_bias: bool = True  # biases in the attention projections
-    layer_norm_epsilon: float = 1e-6
+    score_fn: str = option(
+        "scaled_dot", "attention score: scaled_dot | dot | additive | bilinear | registered"
+    )
+    ln_position: str = option(
+        "post", "post: LN(x + f(x)) as in the paper; pre: x + f(LN(x))", choices=LN_POSITIONS
+    )
+    positional: str = option("sinusoidal", "position encoding", choices=POSITIONALS)
+    tie_embeddings: str = option(
+        "all", "shared tables (paper: source, target and softmax)", choices=TIE_EMBEDDINGS
+    )
+    scale_embeddings: bool = option(True, "multiply embeddings by sqrt(d_model) (paper)")
+    activation: str = option("relu", "FFN activation (paper: max(0, .))", choices=ACTIVATIONS)
+    use_bias: bool = option(True, "biases in the attention projections")
+    layer_norm_epsilon: float = option(1e-6, "LayerNorm epsilon", rule=POSITIVE)
     # A lexical shortcut to the softmax (Nguyen & Chiang 2018): one attention head from
     # the decoder's output over the encoder output reads the *source token embeddings*,
     # and a linear map of that (zero at the start) is added to the decoder output before
     # the logits. With tied embeddings it lets the model predict "the translation of the
     # source word it attends to" directly. Needs the source embedding table (tied src_tgt/all).
-    lexical_shortcut: bool = False
+    lexical_shortcut: bool = option(False, "attended source embeddings into the softmax")
 
     # Sparse self-attention (components/sparse.py has the spec grammar).
-    attention_pattern: str = "dense"  # dense | bigbird | local:window=128+global:first=1 | ...
-    attention_impl: str = "blocked"  # blocked (no n x n array) | reference (dense mask)
-    attention_block_size: int = 64  # kernel block; also the default block of random/bigbird
-    attention_seed: int = 0  # draws of random patterns (salted per layer)
-    # > 0: compute the blocked kernel this many query blocks at a time, recomputing
-    # scores in the backward pass (about half the memory at 8k, ~1.3-1.5x the time).
-    attention_scan_blocks: int = 0
+    attention_pattern: str = option(
+        "dense", "self-attention pattern: dense | bigbird | local:window=128+global:first=1 | ..."
+    )
+    attention_impl: str = option(
+        "blocked", "sparse kernel: blocked (no n x n array) | reference (dense mask)",
+        choices=ATTENTION_IMPLS,
+    )  # fmt: skip
+    attention_block_size: int = option(
+        64, "kernel block; also the default block of random/bigbird", rule=POSITIVE
+    )
+    attention_seed: int = option(0, "draws of random patterns (salted per layer)")
+    attention_scan_blocks: int = option(
+        0, "> 0: query blocks at a time, recomputed in the backward pass (less memory)",
+        rule=NON_NEGATIVE,
+    )  # fmt: skip
 
     # Token ids (the data pipeline's sentencepiece model uses the same).
-    pad_id: int = 0
-    eos_id: int = 1
-    bos_id: int = 2  # fed to the decoder at the first position (targets are shifted right)
+    pad_id: int = option(0, "padding id")
+    eos_id: int = option(1, "end-of-sentence id")
+    bos_id: int = option(2, "fed to the decoder at the first position (targets shift right)")
 
     # Numerics and introspection.
-    dtype: str = "float32"  # compute dtype of activations; softmax and LayerNorm stats stay float32
-    param_dtype: str = "float32"
-    sow_attention_weights: bool = False  # store weights in the 'intermediates' collection
+    dtype: str = option(
+        "float32", "activations' dtype; softmax and LayerNorm statistics stay float32",
+        choices=DTYPES,
+    )  # fmt: skip
+    param_dtype: str = option("float32", "parameters' dtype", choices=DTYPES)
+    sow_attention_weights: bool = option(False, "store weights in 'intermediates'")
 
-    def __post_init__(self):
+    def check(self) -> None:
         _validate(self)
 
     # Derived values -------------------------------------------------------
@@ -122,94 +158,33 @@ class ModelConfig:
     def parameter_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
 
-    def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (validated again)."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
-        if unknown:
-            raise ConfigError(_unknown_message(unknown))
-        return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
-        """Build from a mapping (e.g. an ml_collections ``config.model``); unknown keys fail."""
-        if hasattr(values, "to_dict"):
-            values = values.to_dict()
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(_unknown_message(unknown))
-        return cls(**dict(values))
+# Checks owned by modules above this one (a registry of names, a spec grammar). Each
+# registers itself when imported; importing any part of flaxformer_lite imports the
+# components (the package's __init__ does), so every ModelConfig runs them when built.
+_REGISTERED_CHECKS: list[Callable[[ModelConfig], None]] = []
 
 
-def _unknown_message(unknown: list[str]) -> str:
-    known = ", ".join(f.name for f in dataclasses.fields(ModelConfig))
-    return f"unknown model config field(s) {unknown}; known fields are: {known}"
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(
-            f"model.{name}={value!r} is not allowed; choose one of {', '.join(allowed)}"
-        )
+def register_check(check: Callable[[ModelConfig], None]) -> Callable[[ModelConfig], None]:
+    """Decorator: ``check(config)`` runs on every ModelConfig after the field checks and
+    raises :class:`ConfigError` naming the field and the fix."""
+    _REGISTERED_CHECKS.append(check)
+    return check
 
 
 def _validate(c: ModelConfig) -> None:
-    from flaxformer_lite.components.attention import score_fn_names
-
-    for name in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"model.{name}={value!r} must be a positive integer")
-    for name in ("num_encoder_layers", "num_decoder_layers"):
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"model.{name}={value!r} must be a non-negative integer")
-    for name in ("d_k", "d_v"):
-        value = getattr(c, name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value <= 0
-        ):
-            raise ConfigError(
-                f"model.{name}={value!r} must be a positive integer, or None for "
-                "d_model // num_heads"
-            )
+    """The checks across fields (each field's own were made by ``Section``)."""
     if c.d_model % c.num_heads and (c.d_k is None or c.d_v is None):
         raise ConfigError(
             f"model.d_model={c.d_model} is not divisible by model.num_heads={c.num_heads}; "
             "choose num_heads dividing d_model, or set model.d_k and model.d_v explicitly"
         )
-    for name in (
-        "embedding_dropout",
-        "residual_dropout",
-        "attention_dropout",
-        "ffn_dropout",
-        "source_token_dropout",
-        "target_token_dropout",
-    ):
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-            raise ConfigError(f"model.{name}={value!r} must be a rate in [0, 1)")
-    if not isinstance(c.layer_norm_epsilon, int | float) or c.layer_norm_epsilon <= 0:
-        raise ConfigError(f"model.layer_norm_epsilon={c.layer_norm_epsilon!r} must be > 0")
-    _check_choice("score_fn", c.score_fn, score_fn_names())
-    _check_choice("ln_position", c.ln_position, LN_POSITIONS)
-    _check_choice("positional", c.positional, POSITIONALS)
-    _check_choice("tie_embeddings", c.tie_embeddings, TIE_EMBEDDINGS)
-    _check_choice("activation", c.activation, ACTIVATIONS)
     if c.lexical_shortcut and c.tie_embeddings not in ("src_tgt", "all"):
         raise ConfigError(
             f"model.lexical_shortcut reads the shared source embeddings, but "
             f"tie_embeddings={c.tie_embeddings!r} gives the encoder its own table; "
             "set tie_embeddings to src_tgt or all"
         )
-    if c.dropout_bits not in (8, 16, 32):
-        raise ConfigError(
-            f"model.dropout_bits={c.dropout_bits!r} is not allowed; choose 8, 16 or 32"
-        )
-    _check_choice("dtype", c.dtype, DTYPES)
-    _check_choice("param_dtype", c.param_dtype, DTYPES)
     if c.positional == "sinusoidal" and c.d_model % 2:
         raise ConfigError(
             f"model.d_model={c.d_model} must be even for sinusoidal positions "
@@ -217,57 +192,30 @@ def _validate(c: ModelConfig) -> None:
         )
     for name in ("pad_id", "eos_id", "bos_id"):
         value = getattr(c, name)
-        if not isinstance(value, int) or not 0 <= value < c.vocab_size:
+        if not 0 <= value < c.vocab_size:
             raise ConfigError(
                 f"model.{name}={value!r} must be a token id in [0, vocab_size={c.vocab_size})"
             )
-    _validate_sparse(c)
     if c.eos_id == c.pad_id:
         raise ConfigError(
             f"model.eos_id={c.eos_id} equals model.pad_id: end-of-sentence would be masked "
             "as padding; give them different ids"
         )
-
-
-def _validate_sparse(c: ModelConfig) -> None:
-    from flaxformer_lite.components import sparse
-
-    if not isinstance(c.attention_block_size, int) or c.attention_block_size < 1:
-        raise ConfigError(
-            f"model.attention_block_size={c.attention_block_size!r} must be a positive integer"
-        )
-    if not isinstance(c.attention_scan_blocks, int) or c.attention_scan_blocks < 0:
-        raise ConfigError(
-            f"model.attention_scan_blocks={c.attention_scan_blocks!r} must be an integer >= 0 "
-            "(0 = all query blocks at once)"
-        )
-    if not isinstance(c.attention_seed, int) or isinstance(c.attention_seed, bool):
-        raise ConfigError(f"model.attention_seed={c.attention_seed!r} must be an integer")
-    _check_choice("attention_impl", c.attention_impl, sparse.IMPLS)
-    if sparse.is_dense(c.attention_pattern):
-        return
-    try:
-        sparse.check_spec(
-            c.attention_pattern,
-            c.num_heads,
-            max(c.num_encoder_layers, c.num_decoder_layers),
-            c.attention_block_size,
-        )
-    except sparse.PatternSpecError as e:
-        raise ConfigError(
-            f"model.attention_pattern={c.attention_pattern!r}: {e} "
-            "(grammar: flaxformer_lite/components/sparse.py)"
-        ) from None
-    if c.score_fn not in ("scaled_dot", "dot"):
-        raise ConfigError(
-            f"model.score_fn={c.score_fn!r} with a sparse attention_pattern: the blocked kernel "
-            "computes dot-product scores; use scaled_dot or dot, or attention_pattern=dense"
-        )
-    if c.attention_dropout > 0:
-        raise ConfigError(
-            f"model.attention_dropout={c.attention_dropout} with a sparse attention_pattern is "
-            "not supported; set it to 0 (residual dropout still applies)"
-        )
+    if c.sparse_attention:
+        if c.score_fn not in ("scaled_dot", "dot"):
+            raise ConfigError(
+                f"model.score_fn={c.score_fn!r} with a sparse attention_pattern: the blocked "
+                "kernel computes dot-product scores; use scaled_dot or dot, or "
+                "attention_pattern=dense"
+            )
+        if c.attention_dropout > 0:
+            raise ConfigError(
+                f"model.attention_dropout={c.attention_dropout} with a sparse "
+                "attention_pattern is not supported; set it to 0 (residual dropout still "
+                "applies)"
+            )
+    for check in _REGISTERED_CHECKS:
+        check(c)
 
 
 # Presets -----------------------------------------------------------------
@@ -302,9 +250,6 @@ def model_config_dict(model: ModelConfig):
     Optional integer fields become typed placeholders, so ``--config.model.d_k=64``
     still works from the command line when the preset leaves them ``None``.
     """
-    import ml_collections
-    from ml_collections import config_dict
-
     values: dict[str, Any] = {}
     for f in dataclasses.fields(model):
         value = getattr(model, f.name)

@@ -8,14 +8,24 @@ sacrebleu's default (13a tokenization, mixed case, exponential smoothing).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import sacrebleu
+
+from flaxformer_lite.data.sources import load_texts
+from flaxformer_lite.experiment import DecodeConfig
+from flaxformer_lite.translate import Translator
 
 
 @dataclasses.dataclass(frozen=True)
 class Scores:
+    """Corpus BLEU and chrF with sacrebleu's signatures (compare numbers only when
+    the signatures match)."""
+
     bleu: float
     chrf: float
     bleu_signature: str
@@ -57,37 +67,35 @@ def evaluate_workdir(
     workdir,
     split: str = "test",
     *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
     num_examples: int = 5,
     limit: int = 0,
-    no_repeat_ngram: int = 0,
-    min_length_ratio: float = 0.0,
-    max_length_ratio: float = 0.0,
     ensemble: Sequence[str] = (),
+    **options,
 ) -> Scores:
     """Translate a split of the run's dataset, score it, write the translations.
 
-    Writes ``<workdir>/<split>_translations.tsv`` (source, reference, hypothesis)
-    and ``<workdir>/<split>_scores.json``; prints the scores with their
-    signatures and ``num_examples`` example translations.
+    ``options``: beam_size, alpha, no_repeat_ngram, min_length_ratio,
+    max_length_ratio as in ``Translator.translate``; one left out (or None) takes
+    the run's ``decode`` section. Writes ``<workdir>/<split>_translations.tsv``
+    (source, reference, hypothesis) and ``<workdir>/<split>_scores.json`` (the
+    scores with the options used); prints the scores with their signatures and
+    ``num_examples`` example translations.
     """
-    import json
-    import time
-    from pathlib import Path
-
-    from flaxformer_lite.data import pipeline
-    from flaxformer_lite.translate import Translator
-
     workdir = Path(workdir)
     translator = Translator.from_workdir(workdir, ensemble=ensemble)
-    config = translator.run_config
-    d = config.data
-    pairs = pipeline.load_texts(d.dataset, split, (d.source_lang, d.target_lang), d.data_dir)
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(DecodeConfig)})
+    if unknown:
+        raise TypeError(f"evaluate_workdir() got unknown decoding options {unknown}")
+    used = {k: v for k, v in options.items() if v is not None}
+    decode = translator.decode.replace(**used)  # checked like the config's
+    d = translator.run_config.data
+    pairs = load_texts(d.dataset, split, (d.source_lang, d.target_lang), d.data_dir)
     if limit:
         pairs = pairs[:limit]
     sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
     start = time.perf_counter()
+    beam_size, alpha, no_repeat_ngram = decode.beam_size, decode.alpha, decode.no_repeat_ngram
+    min_length_ratio, max_length_ratio = decode.min_length_ratio, decode.max_length_ratio
     bounds = {"min_length_ratio": min_length_ratio, "max_length_ratio": max_length_ratio}
     hypotheses = translator.translate(
         sources, beam_size=beam_size, alpha=alpha, no_repeat_ngram=no_repeat_ngram, **bounds

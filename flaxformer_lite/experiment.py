@@ -1,422 +1,405 @@
-"""Experiment configs: the ml_collections sections around the model, and their checks.
+"""Experiment configs: typed sections around the model, built and checked in one place.
 
-An experiment config (``configs/*.py``) has four sections:
+An experiment has five sections, each a frozen dataclass whose fields are
+declared once (type, default, allowed values, one-line meaning; see
+:mod:`flaxformer_lite.sections`):
 
-* ``model``: the fields of :class:`flaxformer_lite.config.ModelConfig`;
-* ``data``: corpus, direction, lengths, packing;
-* ``train``: steps, batch, parallelism, logging/eval/checkpoint cadence;
-* ``optimizer``: Adam and its schedule.
+* ``model``: :class:`flaxformer_lite.config.ModelConfig`;
+* ``data``: :class:`DataConfig`, corpus, direction, lengths, packing;
+* ``train``: :class:`TrainConfig`, steps, batch, parallelism, cadence;
+* ``optimizer``: :class:`OptimizerConfig`, Adam and its schedule;
+* ``decode``: :class:`DecodeConfig`, how ``translate`` / ``evaluate`` decode by default.
 
-``base_config()`` gives every field a default (the paper's training recipe),
-``apply_variants(config, arg)`` applies ``get_config`` arguments such as
-``debug`` (a seconds-long CPU run), and ``validate_experiment`` checks all of
-it, before any data is read.
+``configs/*.py`` build an ``ml_collections.ConfigDict`` with :func:`base_config`
+(every field at its default, generated from the dataclasses), change fields,
+and apply variants such as ``:debug`` (:func:`apply_variants`); the command line
+overrides fields (``--config.train.batch_size=32``). :meth:`ExperimentConfig.from_config`
+turns that into the typed config, the one place where an unknown field, a wrong
+type or a bad value is reported, before any data is read. ``python -m
+flaxformer_lite.main fields`` lists every field.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import json
 import re
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import ml_collections
 
-from flaxformer_lite.config import ConfigError, ModelConfig, model_config_dict, model_config_from
+from flaxformer_lite.config import ConfigError, ModelConfig, model_config_dict
+from flaxformer_lite.sections import (
+    NON_NEGATIVE,
+    POSITIVE,
+    RATE,
+    UNIT_INTERVAL,
+    Section,
+    describe,
+    option,
+)
 
-EXPERIMENT_SECTIONS = {
-    "model": None,  # validated by ModelConfig
-    "data": {
-        "task": str,  # translation (encoder-decoder) | lm (decoder-only, on target_lang)
-        "dataset": str,  # local builder name (ding_de_en, bible_en_es) or any TFDS name
-        "source_lang": str,  # feature read as the source sentence
-        "target_lang": str,  # feature read as the target sentence
-        "data_dir": str,  # where TFDS datasets are written/read
-        "train_splits": str,  # comma-separated; split:N keeps a fixed subset of N examples
-        # Splits after the first are auxiliary (e.g. dictionary phrases): keep only pairs
-        # whose every word occurs >= aux_min_count times in the first split (0 = all) ...
-        "aux_min_count": int,
-        # ... and start their source with this tag (a reserved vocabulary symbol; "" = none)
-        "aux_tag": str,
-        # Also train every pair reversed (target -> source), with this tag (<name>, a
-        # reserved symbol) starting the reversed source; "" = one direction only. The
-        # configured direction stays untagged, so translation needs no tag.
-        "reverse_tag": str,
-        # An auxiliary split:N draws a fresh N of its (filtered) pairs every epoch, in
-        # turn, so all of them are seen while they keep the share of N; False = the same
-        # fixed N every epoch (no effect on splits without :N)
-        "resample_subsets": bool,
-        "eval_split": str,
-        "test_split": str,
-        "max_length": int,  # tokens per side (incl. EOS); also the packed row length
-        "too_long": str,  # drop | truncate
-        "pack": bool,
-        "stream": bool,  # lm only: read the split as one running text cut into max_length rows
-        "tokenizer_max_sentences": int,
-        # >0: subword regularization (Kudo 2018): every epoch each training pair gets a
-        # segmentation sampled from the unigram model with this smoothing (smaller = more
-        # varied; 0.1 is very noisy, 0.5 nearly the best segmentation); 0 = off
-        "subword_alpha": float,
-    },
-    "train": {
-        "seed": int,
-        "batch_size": int,  # rows per step, all devices together
-        "num_steps": int,
-        # >0: also stop once the training command has run this many minutes (a wall-clock
-        # budget: the step count then depends on the machine); 0 = train num_steps
-        "max_minutes": float,
-        "label_smoothing": float,
-        "parallelism": str,  # jit (sharded over a device mesh) | pmap
-        "concurrent_splits": int,  # >1: the batch as k independent chains (uses CPU cores)
-        "log_every": int,
-        "eval_every": int,
-        "checkpoint_every": int,
-        "keep_checkpoints": int,
-        "best_metric": str,  # validation metric that selects the best checkpoint
-        "eval_batches": int,  # 0 = the whole validation split
-        "eval_bleu_sentences": int,  # greedy BLEU on this many validation sentences; 0 = off
-        # random | ppmi: start the token embeddings from PPMI co-occurrence vectors of
-        # the pairs of embedding_init_splits ("" = data.train_splits); see data/cooccurrence.py
-        "embedding_init": str,
-        "embedding_init_splits": str,
-    },
-    "optimizer": {
-        "b1": float,
-        "b2": float,
-        "eps": float,
-        "schedule": str,  # noam | warmup_cosine | constant
-        "learning_rate": float,  # noam: a multiplier (paper 1.0); others: the peak value
-        "warmup_steps": int,
-        # >0: the last cooldown_steps updates scale the schedule down linearly to zero
-        # (warmup-stable-decay; the noam tail is otherwise still at half its peak)
-        "cooldown_steps": int,
-        # >0: the last fraction of the run scales the learning rate down linearly to zero,
-        # the run's end being train.num_steps or train.max_minutes, whichever comes
-        # first (the factor is computed from the clock each step; unlike cooldown_steps
-        # it works with a wall-clock budget)
-        "cooldown_fraction": float,
-        "clip_grad_norm": float,  # 0 = off
-        "grad_accum_steps": int,  # >1: optax.MultiSteps
-        "weight_decay": float,  # 0 = Adam (paper); >0 = AdamW
-        # >0: keep a moving average of the parameters; evaluation, the best checkpoint
-        # and translation use it (e.g. 0.99 averages over the last ~100 updates)
-        "ema_decay": float,
-        # the token embeddings learn at this multiple of the learning rate (1 = the same)
-        "embedding_lr_scale": float,
-    },
-}
-# Fields added after runs were saved: a saved config without them means these values.
-ADDED_FIELDS = {
-    "data": {
-        "aux_min_count": 0,
-        "aux_tag": "",
-        "reverse_tag": "",
-        "subword_alpha": 0.0,
-        "resample_subsets": False,
-    },
-    "train": {
-        "concurrent_splits": 1,
-        "embedding_init": "random",
-        "embedding_init_splits": "",
-        "max_minutes": 0.0,
-    },
-    "optimizer": {
-        "ema_decay": 0.0,
-        "embedding_lr_scale": 1.0,
-        "cooldown_steps": 0,
-        "cooldown_fraction": 0.0,
-    },
-}
-
-
-def with_added_fields(values: dict) -> dict:
-    """A saved run's config dict with the later-added fields at their defaults."""
-    for section, fields in ADDED_FIELDS.items():
-        for name, default in fields.items():
-            values.setdefault(section, {}).setdefault(name, default)
-    return values
-
-
-PARALLELISM = ("jit", "pmap")
-EMBEDDING_INITS = ("random", "ppmi")
 TASKS = ("translation", "lm")
+TOO_LONG = ("drop", "truncate")
+PARALLELISM = ("jit", "pmap")
+SCHEDULES = ("noam", "warmup_cosine", "constant")  # built by training/schedules.py
+EMBEDDING_INITS = ("random", "ppmi")
 # "bleu": the greedy validation BLEU of train.eval_bleu_sentences sentences (translation).
 BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max", "bleu": "max"}
 
 
-def parse_train_splits(spec: str) -> list[tuple[str, int | None]]:
-    """``"train,train_phrases:20000"`` -> [("train", None), ("train_phrases", 20000)].
+class Split(NamedTuple):
+    """One entry of a split list: a split's name and, for ``name:N``, how many of it."""
+
+    name: str
+    count: int | None = None
+
+
+def parse_train_splits(spec: str, *, allow_empty: bool = False) -> tuple[Split, ...]:
+    """``"train,train_phrases:20000"`` -> (Split("train"), Split("train_phrases", 20000)).
 
     ``split:N`` keeps a fixed random subset of N examples (the same on every
     machine and run), e.g. to mix a little of a large auxiliary split.
     """
+    if isinstance(spec, tuple):  # already parsed
+        return spec
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, count = item.partition(":")
-        if count and not (count.isdigit() and int(count) > 0):
+        if not name or (count and not (count.isdigit() and int(count) > 0)):
             raise ConfigError(
-                f"config.data.train_splits={spec!r}: {item!r} needs a positive example count "
-                "after ':' (e.g. train_phrases:20000)"
+                f"split list {spec!r}: {item!r} needs a split name and, after ':', a "
+                "positive example count (e.g. train_phrases:20000)"
             )
-        out.append((name, int(count) if count else None))
-    if not out:
-        raise ConfigError("config.data.train_splits is empty; name at least one split")
-    return out
+        out.append(Split(name, int(count) if count else None))
+    if not out and not allow_empty:
+        raise ConfigError(f"split list {spec!r} is empty; name at least one split")
+    return tuple(out)
+
+
+def format_splits(splits: tuple[Split, ...]) -> str:
+    return ",".join(s.name if s.count is None else f"{s.name}:{s.count}" for s in splits)
+
+
+def _optional_splits(spec: str) -> tuple[Split, ...]:
+    return parse_train_splits(spec, allow_empty=True)
+
+
+_TAG = re.compile(r"<\w+>")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+    """``config.data``: which corpus, which direction, how it is cut and packed."""
+
+    NAME = "data"
+
+    task: str = option(
+        "translation", "translation (encoder-decoder) or lm (decoder-only, on target_lang)",
+        choices=TASKS,
+    )  # fmt: skip
+    dataset: str = option("ding_de_en", "local builder (ding_de_en, bible_en_es) or a TFDS name")
+    source_lang: str = option("en", "feature read as the source sentence")
+    target_lang: str = option("de", "feature read as the target sentence (the LM's text)")
+    data_dir: str = option("data/tfds", "where TFDS datasets are written and read")
+    train_splits: tuple = option(
+        (Split("train"),),
+        "comma-separated training splits; split:N keeps a fixed subset of N examples",
+        parse=parse_train_splits, unparse=format_splits,
+    )  # fmt: skip
+    aux_min_count: int = option(
+        0, "auxiliary splits (after the first) keep pairs whose words all occur this "
+        "often in the first split (0 = all)", rule=NON_NEGATIVE,
+    )  # fmt: skip
+    aux_tag: str = option("", "tag (<name>) starting an auxiliary pair's source; '' = none")
+    reverse_tag: str = option(
+        "", "also train every pair reversed, its source starting with this tag (<name>); "
+        "'' = one direction only",
+    )  # fmt: skip
+    resample_subsets: bool = option(
+        False, "an auxiliary split:N draws a fresh N of its pairs every epoch, in turn"
+    )
+    eval_split: str = option("validation", "split evaluated during training")
+    test_split: str = option("test", "split of the final evaluation")
+    max_length: int = option(
+        64, "tokens per side (EOS included); also the packed row length", rule=POSITIVE
+    )
+    too_long: str = option("drop", "what happens to longer training pairs", choices=TOO_LONG)
+    pack: bool = option(True, "pack several pairs into each row (segment ids keep them apart)")
+    stream: bool = option(False, "lm only: read the split as one running text cut into rows")
+    tokenizer_max_sentences: int = option(
+        1_000_000, "sentences the sentencepiece model learns from", rule=POSITIVE
+    )
+    subword_alpha: float = option(
+        0.0, "> 0: subword regularization, a sampled segmentation each epoch with this "
+        "smoothing (0 = off)", rule=UNIT_INTERVAL,
+    )  # fmt: skip
+
+    def check(self) -> None:
+        if self.subword_alpha and self.stream:
+            raise ConfigError(
+                "config.data.subword_alpha needs sentence pairs; it does not apply to "
+                "data.stream=True (running text); set it to 0"
+            )
+        for name, example in (("aux_tag", "<dict>"), ("reverse_tag", "<2en>")):
+            tag = getattr(self, name)
+            if tag and (self.task != "translation" or not _TAG.fullmatch(tag)):
+                raise ConfigError(
+                    f"config.data.{name}={tag!r} needs a translation task and the form <name> "
+                    f"(e.g. {example}), one symbol with no spaces"
+                )
+        if self.reverse_tag and self.reverse_tag == self.aux_tag:
+            raise ConfigError(
+                f"config.data.reverse_tag and aux_tag are both {self.aux_tag!r}; give them "
+                "different names"
+            )
+        if self.stream and self.task != "lm":
+            raise ConfigError(
+                f"config.data.stream=True needs data.task='lm' (it is {self.task!r}): "
+                "translation pairs cannot be cut into running text"
+            )
+        if self.resample_subsets and (self.subword_alpha or self.stream):
+            raise ConfigError(
+                "config.data.resample_subsets=True cannot be combined with subword_alpha > 0 "
+                "or stream=True (each redraws the epoch's examples its own way); set "
+                "data.resample_subsets=False or turn the other off"
+            )
+        if self.task == "translation" and self.source_lang == self.target_lang:
+            raise ConfigError(
+                f"config.data.source_lang and target_lang are both {self.source_lang!r}"
+            )
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The text features read: (source, target) for translation, (text,) for an LM."""
+        if self.task == "translation":
+            return (self.source_lang, self.target_lang)
+        return (self.target_lang,)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Section):
+    """``config.train``: steps, batch, parallelism, and the cadence of logs, evals, saves."""
+
+    NAME = "train"
+
+    seed: int = option(0, "parameters, data order and dropout")
+    batch_size: int = option(64, "rows per step, all devices together", rule=POSITIVE)
+    num_steps: int = option(100_000, "training steps", rule=POSITIVE)
+    max_minutes: float = option(
+        0.0, "> 0: also stop once training has run this many minutes (0 = num_steps only)",
+        rule=NON_NEGATIVE,
+    )  # fmt: skip
+    label_smoothing: float = option(0.1, "label smoothing of the loss (paper 0.1)", rule=RATE)
+    parallelism: str = option(
+        "jit", "jit (sharded over a device mesh) or pmap", choices=PARALLELISM
+    )
+    concurrent_splits: int = option(
+        1, "> 1: the batch as k independent chains of one program (uses CPU cores)"
+    )
+    log_every: int = option(50, "steps between logged measurements", rule=POSITIVE)
+    eval_every: int = option(1000, "steps between validations", rule=POSITIVE)
+    checkpoint_every: int = option(1000, "steps between checkpoints", rule=POSITIVE)
+    keep_checkpoints: int = option(5, "last checkpoints kept", rule=POSITIVE)
+    best_metric: str = option(
+        "loss", "validation metric that selects the best checkpoint", choices=tuple(BEST_METRICS)
+    )
+    eval_batches: int = option(0, "validation batches per evaluation (0 = all)", rule=NON_NEGATIVE)
+    eval_bleu_sentences: int = option(
+        0, "greedy BLEU on this many validation sentences per evaluation (0 = off)",
+        rule=NON_NEGATIVE,
+    )  # fmt: skip
+    embedding_init: str = option(
+        "random", "start of the token embeddings: random, or PPMI co-occurrence vectors",
+        choices=EMBEDDING_INITS,
+    )  # fmt: skip
+    embedding_init_splits: tuple = option(
+        (), "splits the PPMI vectors are counted on ('' = data.train_splits)",
+        parse=_optional_splits, unparse=format_splits,
+    )  # fmt: skip
+
+    def check(self) -> None:
+        splits = self.concurrent_splits
+        if splits < 1 or self.batch_size % splits:
+            raise ConfigError(
+                f"config.train.concurrent_splits={splits} must be >= 1 and divide "
+                f"train.batch_size={self.batch_size} (per device)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(Section):
+    """``config.optimizer``: Adam (the paper's 0.9/0.98/1e-9) and the learning-rate schedule."""
+
+    NAME = "optimizer"
+
+    b1: float = option(0.9, "Adam beta1", rule=RATE)
+    b2: float = option(0.98, "Adam beta2 (paper 0.98)", rule=RATE)
+    eps: float = option(1e-9, "Adam epsilon (paper 1e-9)", rule=POSITIVE)
+    schedule: str = option("noam", "learning-rate schedule", choices=SCHEDULES)
+    learning_rate: float = option(
+        1.0, "noam: a multiplier (paper 1.0); others: the peak value", rule=POSITIVE
+    )
+    warmup_steps: int = option(4000, "warmup updates (paper 4000)", rule=NON_NEGATIVE)
+    cooldown_steps: int = option(
+        0, "> 0: the last cooldown_steps updates scale the rate linearly to zero"
+    )
+    cooldown_fraction: float = option(
+        0.0, "> 0: the last fraction of the run (steps or minutes) scales the rate to zero",
+        rule=RATE,
+    )  # fmt: skip
+    clip_grad_norm: float = option(0.0, "global gradient-norm clip (0 = off)", rule=NON_NEGATIVE)
+    grad_accum_steps: int = option(1, "> 1: accumulate this many micro-batches", rule=POSITIVE)
+    weight_decay: float = option(0.0, "0 = Adam (paper); > 0 = AdamW", rule=NON_NEGATIVE)
+    ema_decay: float = option(
+        0.0, "> 0: evaluate, keep and translate with a moving average of the parameters",
+        rule=RATE,
+    )  # fmt: skip
+    embedding_lr_scale: float = option(
+        1.0, "the token embeddings learn at this multiple of the rate", rule=NON_NEGATIVE
+    )
+
+    def check(self) -> None:
+        if self.schedule == "noam" and self.warmup_steps <= 0:
+            raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
+        if self.cooldown_fraction and self.cooldown_steps:
+            raise ConfigError(
+                f"config.optimizer.cooldown_fraction={self.cooldown_fraction} and "
+                f"cooldown_steps={self.cooldown_steps} are two cooldowns; set one of them to 0"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig(Section):
+    """``config.decode``: how ``translate`` and ``evaluate`` decode when not told."""
+
+    NAME = "decode"
+
+    beam_size: int = option(4, "beam size of translate/evaluate (1 = greedy)", rule=POSITIVE)
+    alpha: float = option(0.6, "length penalty exponent (paper 0.6)", rule=NON_NEGATIVE)
+    max_extra: int = option(50, "outputs get at most source length + max_extra", rule=POSITIVE)
+    no_repeat_ngram: int = option(0, "forbid repeating any n tokens (0 = off)", rule=NON_NEGATIVE)
+    min_length_ratio: float = option(
+        0.0, "outputs get >= ratio x source pieces (0 = off)", rule=NON_NEGATIVE
+    )
+    max_length_ratio: float = option(
+        0.0, "outputs get <= ratio x source pieces + 5 (0 = off)", rule=NON_NEGATIVE
+    )
+
+    def check(self) -> None:
+        if self.max_length_ratio and self.min_length_ratio > self.max_length_ratio:
+            raise ConfigError(
+                f"config.decode.min_length_ratio={self.min_length_ratio} exceeds "
+                f"max_length_ratio={self.max_length_ratio}"
+            )
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optimizer": OptimizerConfig,
+    "decode": DecodeConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment, typed and checked (sections and the checks across them)."""
+
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    decode: DecodeConfig = DecodeConfig()
+
+    def __post_init__(self):
+        d, t, o, m = self.data, self.train, self.optimizer, self.model
+        if d.max_length > m.max_len:
+            raise ConfigError(
+                f"config.data.max_length={d.max_length} exceeds model.max_len={m.max_len}; "
+                "raise model.max_len or lower data.max_length"
+            )
+        if t.best_metric == "bleu" and not (t.eval_bleu_sentences > 0 and d.task == "translation"):
+            raise ConfigError(
+                "config.train.best_metric='bleu' needs a translation task and "
+                f"config.train.eval_bleu_sentences > 0 (got task={d.task!r}, "
+                f"eval_bleu_sentences={t.eval_bleu_sentences}); set eval_bleu_sentences=128 "
+                "or choose best_metric=loss"
+            )
+        if t.max_minutes and (o.schedule == "warmup_cosine" or o.cooldown_steps):
+            raise ConfigError(
+                f"config.train.max_minutes={t.max_minutes} stops at a step nobody knows in "
+                f"advance, but optimizer.schedule={o.schedule!r} with cooldown_steps="
+                f"{o.cooldown_steps} is shaped by train.num_steps; use the noam or constant "
+                "schedule with optimizer.cooldown_fraction instead of cooldown_steps, or set "
+                "max_minutes=0"
+            )
+        updates = t.num_steps // o.grad_accum_steps
+        room = max(updates - o.warmup_steps, 0)
+        if not 0 <= o.cooldown_steps <= room:
+            raise ConfigError(
+                f"config.optimizer.cooldown_steps={o.cooldown_steps} must be in [0, {room}]: "
+                f"the cooldown fits after the {o.warmup_steps} warmup updates of the "
+                f"{updates} updates of the run (0 = none)"
+            )
+
+    @classmethod
+    def from_config(cls, config: Any) -> ExperimentConfig:
+        """The typed config of an ml_collections ``ConfigDict`` (or a plain dict, e.g. a
+        saved ``config.json``). A missing field or section takes its default, which is
+        what a run saved before that field existed means; an unknown one is an error."""
+        if isinstance(config, ExperimentConfig):
+            return config
+        values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        unknown = sorted(set(values) - {"model", *SECTIONS})
+        if unknown:
+            raise ConfigError(
+                f"the config has unknown sections {unknown}; sections are model, "
+                f"{', '.join(SECTIONS)}"
+            )
+        if "model" not in values:
+            raise ConfigError("the config has no 'model' section; see configs/ende_small.py")
+        sections = {name: kind.from_dict(values.get(name, {})) for name, kind in SECTIONS.items()}
+        return cls(model=ModelConfig.from_dict(values["model"]), **sections)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain values, as ``config.json`` and the ml_collections layer hold them."""
+        out = {"model": self.model.to_dict()}
+        out.update({name: getattr(self, name).to_dict() for name in SECTIONS})
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
 
 
 def validate_experiment(config) -> ModelConfig:
-    """Check every section of an experiment config; return the model's ModelConfig.
-
-    Runs before any data is read, so a typo costs nothing.
-    """
-    from flaxformer_lite.training.schedules import SCHEDULES
-
-    for section, fields in EXPERIMENT_SECTIONS.items():
-        if section not in config:
-            raise ConfigError(f"the config has no {section!r} section; see configs/ende_small.py")
-        if fields is None:
-            continue
-        present = set(config[section].keys())
-        missing = sorted(set(fields) - present)
-        unknown = sorted(present - set(fields))
-        if missing or unknown:
-            raise ConfigError(
-                f"config.{section}: missing fields {missing}, unknown fields {unknown}; "
-                f"expected {sorted(fields)}"
-            )
-        for name, kind in fields.items():
-            value = config[section][name]
-            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                ok = True
-            if not ok:
-                raise ConfigError(
-                    f"config.{section}.{name}={value!r} must be of type {kind.__name__}"
-                )
-    model = model_config_from(config)
-    d, t, o = config.data, config.train, config.optimizer
-
-    def positive(section, name, value):
-        if value <= 0:
-            raise ConfigError(f"config.{section}.{name}={value!r} must be > 0")
-
-    for name in ("max_length", "tokenizer_max_sentences"):
-        positive("data", name, d[name])
-    for name in (
-        "batch_size",
-        "num_steps",
-        "log_every",
-        "eval_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-    ):
-        positive("train", name, t[name])
-    for name in ("eps", "learning_rate"):
-        positive("optimizer", name, o[name])
-    positive("optimizer", "grad_accum_steps", o.grad_accum_steps)
-    if d.too_long not in ("drop", "truncate"):
-        raise ConfigError(f"config.data.too_long={d.too_long!r}; choose drop or truncate")
-    if d.task not in TASKS:
-        raise ConfigError(f"config.data.task={d.task!r}; choose one of {', '.join(TASKS)}")
-    parse_train_splits(d.train_splits)  # resample_subsets only touches split:N after the first
-    if not 0.0 <= d.subword_alpha <= 1.0:
-        raise ConfigError(
-            f"config.data.subword_alpha={d.subword_alpha} must be in [0, 1] (0 = off; "
-            "Kudo 2018 uses 0.1-0.5)"
-        )
-    if d.subword_alpha and d.stream:
-        raise ConfigError(
-            "config.data.subword_alpha needs sentence pairs; it does not apply to "
-            "data.stream=True (running text); set it to 0"
-        )
-    if d.aux_min_count < 0:
-        raise ConfigError(
-            f"config.data.aux_min_count={d.aux_min_count} must be >= 0 (0 keeps every pair)"
-        )
-    for name, example in (("aux_tag", "<dict>"), ("reverse_tag", "<2en>")):
-        tag = d[name]
-        if tag and (d.task != "translation" or not re.fullmatch(r"<\w+>", tag)):
-            raise ConfigError(
-                f"config.data.{name}={tag!r} needs a translation task and the form <name> "
-                f"(e.g. {example}), one symbol with no spaces"
-            )
-    if d.reverse_tag and d.reverse_tag == d.aux_tag:
-        raise ConfigError(
-            f"config.data.reverse_tag and aux_tag are both {d.aux_tag!r}; give them different names"
-        )
-    if d.stream and d.task != "lm":
-        raise ConfigError(
-            f"config.data.stream=True needs data.task='lm' (it is {d.task!r}): translation "
-            "pairs cannot be cut into running text"
-        )
-    if d.resample_subsets and (d.subword_alpha or d.stream):
-        raise ConfigError(
-            "config.data.resample_subsets=True cannot be combined with subword_alpha > 0 or "
-            "stream=True (each redraws the epoch's examples its own way); set "
-            "data.resample_subsets=False or turn the other off"
-        )
-    if d.task == "translation" and d.source_lang == d.target_lang:
-        raise ConfigError(f"config.data.source_lang and target_lang are both {d.source_lang!r}")
-    if d.max_length > model.max_len:
-        raise ConfigError(
-            f"config.data.max_length={d.max_length} exceeds model.max_len={model.max_len}; "
-            "raise model.max_len or lower data.max_length"
-        )
-    if not 0.0 <= t.label_smoothing < 1.0:
-        raise ConfigError(f"config.train.label_smoothing={t.label_smoothing} must be in [0, 1)")
-    if t.parallelism not in PARALLELISM:
-        raise ConfigError(
-            f"config.train.parallelism={t.parallelism!r}; choose one of {', '.join(PARALLELISM)}"
-        )
-    splits = t.concurrent_splits
-    if splits < 1 or t.batch_size % splits:
-        raise ConfigError(
-            f"config.train.concurrent_splits={splits} must be >= 1 and divide "
-            f"train.batch_size={t.batch_size} (per device)"
-        )
-    if t.best_metric not in BEST_METRICS:
-        raise ConfigError(
-            f"config.train.best_metric={t.best_metric!r}; choose one of {', '.join(BEST_METRICS)}"
-        )
-    if t.eval_bleu_sentences < 0:
-        raise ConfigError(f"config.train.eval_bleu_sentences={t.eval_bleu_sentences} must be >= 0")
-    bleu_ok = t.eval_bleu_sentences > 0 and config.data.task == "translation"
-    if t.best_metric == "bleu" and not bleu_ok:
-        raise ConfigError(
-            "config.train.best_metric='bleu' needs a translation task and "
-            f"config.train.eval_bleu_sentences > 0 (got task={config.data.task!r}, "
-            f"eval_bleu_sentences={t.eval_bleu_sentences}); set eval_bleu_sentences=128 or "
-            "choose best_metric=loss"
-        )
-    if t.embedding_init not in EMBEDDING_INITS:
-        raise ConfigError(
-            f"config.train.embedding_init={t.embedding_init!r}; choose one of "
-            f"{', '.join(EMBEDDING_INITS)}"
-        )
-    if t.embedding_init_splits:
-        parse_train_splits(t.embedding_init_splits)
-    if t.eval_batches < 0:
-        raise ConfigError(f"config.train.eval_batches={t.eval_batches} must be >= 0 (0 = all)")
-    for name in ("b1", "b2"):
-        if not 0.0 <= o[name] < 1.0:
-            raise ConfigError(f"config.optimizer.{name}={o[name]} must be in [0, 1)")
-    if o.schedule not in SCHEDULES:
-        raise ConfigError(
-            f"config.optimizer.schedule={o.schedule!r}; choose one of {', '.join(SCHEDULES)}"
-        )
-    if o.embedding_lr_scale < 0:
-        raise ConfigError(
-            f"config.optimizer.embedding_lr_scale={o.embedding_lr_scale} must be >= 0 "
-            "(0 freezes the embeddings, 1 trains them like the rest)"
-        )
-    if not 0.0 <= o.ema_decay < 1.0:
-        raise ConfigError(
-            f"config.optimizer.ema_decay={o.ema_decay} must be in [0, 1) (0 = no average; "
-            "0.99-0.999 are usual)"
-        )
-    if o.schedule == "noam" and o.warmup_steps <= 0:
-        raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
-    if t.max_minutes < 0:
-        raise ConfigError(
-            f"config.train.max_minutes={t.max_minutes} must be >= 0 (0 = no time limit; "
-            "training then runs train.num_steps steps)"
-        )
-    if t.max_minutes and (o.schedule == "warmup_cosine" or o.cooldown_steps):
-        raise ConfigError(
-            f"config.train.max_minutes={t.max_minutes} stops at a step nobody knows in "
-            f"advance, but optimizer.schedule={o.schedule!r} with cooldown_steps="
-            f"{o.cooldown_steps} is shaped by train.num_steps; use the noam or constant "
-            "schedule with optimizer.cooldown_fraction instead of cooldown_steps, or set "
-            "max_minutes=0"
-        )
-    if not 0.0 <= o.cooldown_fraction < 1.0:
-        raise ConfigError(
-            f"config.optimizer.cooldown_fraction={o.cooldown_fraction} must be in [0, 1): "
-            "the share of the run (steps or minutes) over which the learning rate falls "
-            "to zero (0 = none; 0.2-0.5 are usual)"
-        )
-    if o.cooldown_fraction and o.cooldown_steps:
-        raise ConfigError(
-            f"config.optimizer.cooldown_fraction={o.cooldown_fraction} and cooldown_steps="
-            f"{o.cooldown_steps} are two cooldowns; set one of them to 0"
-        )
-    updates = t.num_steps // o.grad_accum_steps
-    if not 0 <= o.cooldown_steps <= max(updates - o.warmup_steps, 0):
-        raise ConfigError(
-            f"config.optimizer.cooldown_steps={o.cooldown_steps} must be in [0, "
-            f"{max(updates - o.warmup_steps, 0)}]: the cooldown fits after the "
-            f"{o.warmup_steps} warmup updates of the {updates} updates of the run "
-            "(0 = none)"
-        )
-    if o.warmup_steps < 0 or o.clip_grad_norm < 0 or o.weight_decay < 0:
-        raise ConfigError(
-            "config.optimizer.warmup_steps, clip_grad_norm and weight_decay must be >= 0"
-        )
-    return model
+    """Check every section of an experiment config; return its ModelConfig
+    (``ExperimentConfig.from_config(config).model``)."""
+    return ExperimentConfig.from_config(config).model
 
 
 def base_config(model: ModelConfig) -> ml_collections.ConfigDict:
-    """Every section with defaults: the paper's optimizer (Adam 0.9/0.98/1e-9, noam,
-    warmup 4000, label smoothing 0.1) on the local EN->DE corpus."""
+    """Every section at its defaults (the paper's optimizer: Adam 0.9/0.98/1e-9, noam,
+    warmup 4000, label smoothing 0.1, on the local EN->DE corpus) around ``model``."""
     config = ml_collections.ConfigDict()
     config.model = model_config_dict(model)
-    config.data = ml_collections.ConfigDict(
-        {
-            "task": "translation",
-            "dataset": "ding_de_en",
-            "source_lang": "en",  # EN->DE, the paper's direction
-            "target_lang": "de",
-            "data_dir": "data/tfds",
-            "train_splits": "train",
-            "aux_min_count": 0,
-            "aux_tag": "",
-            "reverse_tag": "",
-            "resample_subsets": False,
-            "eval_split": "validation",
-            "test_split": "test",
-            "max_length": 64,
-            "too_long": "drop",
-            "pack": True,
-            "stream": False,
-            "tokenizer_max_sentences": 1_000_000,
-            "subword_alpha": 0.0,
-        }
-    )
-    config.train = ml_collections.ConfigDict(
-        {
-            "seed": 0,
-            "batch_size": 64,
-            "num_steps": 100_000,
-            "max_minutes": 0.0,
-            "label_smoothing": 0.1,
-            "parallelism": "jit",
-            "concurrent_splits": 1,
-            "log_every": 50,
-            "eval_every": 1000,
-            "checkpoint_every": 1000,
-            "keep_checkpoints": 5,
-            "best_metric": "loss",
-            "eval_batches": 0,
-            "eval_bleu_sentences": 0,
-            "embedding_init": "random",
-            "embedding_init_splits": "",
-        }
-    )
-    config.optimizer = ml_collections.ConfigDict(
-        {
-            "b1": 0.9,
-            "b2": 0.98,
-            "eps": 1e-9,
-            "schedule": "noam",
-            "learning_rate": 1.0,
-            "warmup_steps": 4000,
-            "cooldown_steps": 0,
-            "cooldown_fraction": 0.0,
-            "clip_grad_norm": 0.0,
-            "grad_accum_steps": 1,
-            "weight_decay": 0.0,
-            "ema_decay": 0.0,
-            "embedding_lr_scale": 1.0,
-        }
-    )
+    for name, kind in SECTIONS.items():
+        config[name] = ml_collections.ConfigDict(kind().to_dict())
     return config
+
+
+def field_table() -> str:
+    """Every field of every section with its type, default and meaning (``main fields``)."""
+    lines = []
+    for name, kind in {"model": ModelConfig, **SECTIONS}.items():
+        lines.append(f"{name}:")
+        for field, type_, default, meaning in describe(kind):
+            lines.append(f"  {name}.{field}: {type_} = {default}")
+            if meaning:
+                lines.append(f"      {meaning}")
+    return "\n".join(lines)
 
 
 VARIANTS = ("debug",)
@@ -468,9 +451,6 @@ def load_config(
     applied, for notebooks and scripts: ``load_config("configs/ende_small.py",
     "debug", {"train.num_steps": 20})`` is ``--config=configs/ende_small.py:debug
     --config.train.num_steps=20``. An unknown field or a missing file is a ConfigError."""
-    import importlib.util
-    from pathlib import Path
-
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path!r} not found; pass e.g. 'configs/ende_small.py'")
@@ -485,11 +465,11 @@ def load_config(
         if section not in config or not name or name not in config[section]:
             raise ConfigError(
                 f"unknown config field {key!r}; fields look like 'train.num_steps' "
-                "(see flaxformer_lite/experiment.py and flaxformer_lite/config.py)"
+                "(python -m flaxformer_lite.main fields lists them)"
             )
         try:
             config[section][name] = value
         except TypeError as e:
             raise ConfigError(f"config.{key}={value!r} has the wrong type ({e})") from None
-    validate_experiment(config)
+    ExperimentConfig.from_config(config)
     return config

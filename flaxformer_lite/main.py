@@ -1,4 +1,4 @@
-"""Command line: flags only; the work is in training/ (and decoding, later).
+"""Command line: flags only; the work is in training/, translate, evaluation and average.
 
   python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=runs/x \\
       [--config.model.num_heads=4 ...]
@@ -6,13 +6,15 @@
   python -m flaxformer_lite.main translate --workdir=runs/x "Where is the station?"
   python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
   python -m flaxformer_lite.main generate --workdir=runs/lm --temperature=0.8 "And God said"
+  python -m flaxformer_lite.main fields
 
 ``train`` (the default command) trains or resumes; ``average`` writes the mean
 of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
 ``translate`` translates its arguments, ``--input`` or standard input;
 ``evaluate`` translates a split and reports BLEU and chrF with signatures;
 ``generate`` continues its arguments (``--input`` or standard input) with a
-language-model run.
+language-model run; ``fields`` lists every config field with its type, default
+and meaning. Decoding flags left out take the run's ``decode`` section.
 """
 
 from __future__ import annotations
@@ -31,16 +33,17 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, logs, tokenizer.")
 _NUM = flags.DEFINE_integer("num", 5, "average: how many of the last checkpoints.")
-_BEAM = flags.DEFINE_integer("beam_size", 4, "translate/evaluate: beam size (1 = greedy).")
-_ALPHA = flags.DEFINE_float("alpha", 0.6, "translate/evaluate: length penalty exponent.")
+# Decoding: None = the run's decode section (the paper's beam 4, alpha 0.6 by default).
+_BEAM = flags.DEFINE_integer("beam_size", None, "translate/evaluate: beam size (1 = greedy).")
+_ALPHA = flags.DEFINE_float("alpha", None, "translate/evaluate: length penalty exponent.")
 _NO_REPEAT = flags.DEFINE_integer(
-    "no_repeat_ngram", 0, "translate/evaluate: forbid repeating any n tokens (0 = off)."
+    "no_repeat_ngram", None, "translate/evaluate: forbid repeating any n tokens (0 = off)."
 )
 _MIN_RATIO = flags.DEFINE_float(
-    "min_length_ratio", 0.0, "translate/evaluate: outputs get >= ratio x source pieces (0 = off)."
+    "min_length_ratio", None, "translate/evaluate: outputs get >= ratio x source pieces (0 = off)."
 )
 _MAX_RATIO = flags.DEFINE_float(
-    "max_length_ratio", 0.0, "translate/evaluate: outputs get <= ratio x source pieces + 5."
+    "max_length_ratio", None, "translate/evaluate: outputs get <= ratio x source pieces + 5."
 )
 _INPUT = flags.DEFINE_string(
     "input", None, "translate/generate: a file of sentences or prompts, one per line."
@@ -65,7 +68,7 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "generate: sample from the k likeliest
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass (1 = off).")
 _SEED = flags.DEFINE_integer("seed", 0, "generate: sampling seed (the same seed, the same texts).")
 
-COMMANDS = ("train", "average", "translate", "evaluate", "generate")
+COMMANDS = ("train", "average", "translate", "evaluate", "generate", "fields")
 TAKES_TEXT = ("translate", "generate")  # commands whose arguments are texts
 
 
@@ -85,8 +88,20 @@ def main(argv: list[str]) -> None:
     command = argv[1] if len(argv) > 1 else "train"
     if command not in COMMANDS or (len(argv) > 2 and command not in TAKES_TEXT):
         _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
+    if command == "fields":
+        from flaxformer_lite.experiment import field_table
+
+        print(field_table())
+        return
     if not _WORKDIR.value:
         _fail("--workdir is required (the run's folder)")
+    decode_options = dict(
+        beam_size=_BEAM.value,
+        alpha=_ALPHA.value,
+        no_repeat_ngram=_NO_REPEAT.value,
+        min_length_ratio=_MIN_RATIO.value,
+        max_length_ratio=_MAX_RATIO.value,
+    )
     try:
         if command == "train":
             if _CONFIG.value is None:
@@ -95,22 +110,14 @@ def main(argv: list[str]) -> None:
 
             train_and_evaluate(_CONFIG.value, _WORKDIR.value)
         elif command == "average":
-            from flaxformer_lite.training.average import average_workdir
+            from flaxformer_lite.average import average_workdir
 
             average_workdir(_WORKDIR.value, _NUM.value)
         elif command == "translate":
             from flaxformer_lite import translate
 
             translate.main(
-                _WORKDIR.value,
-                argv[2:],
-                _BEAM.value,
-                _ALPHA.value,
-                _INPUT.value,
-                _NO_REPEAT.value,
-                min_length_ratio=_MIN_RATIO.value,
-                max_length_ratio=_MAX_RATIO.value,
-                ensemble=_ENSEMBLE.value,
+                _WORKDIR.value, argv[2:], _INPUT.value, _ENSEMBLE.value, **decode_options
             )
         elif command == "generate":
             from flaxformer_lite import translate
@@ -132,13 +139,9 @@ def main(argv: list[str]) -> None:
             evaluate_workdir(
                 _WORKDIR.value,
                 _SPLIT.value,
-                beam_size=_BEAM.value,
-                alpha=_ALPHA.value,
                 limit=_LIMIT.value,
-                no_repeat_ngram=_NO_REPEAT.value,
-                min_length_ratio=_MIN_RATIO.value,
-                max_length_ratio=_MAX_RATIO.value,
                 ensemble=_ENSEMBLE.value,
+                **decode_options,
             )
     except (
         ConfigError,
@@ -172,7 +175,7 @@ def run() -> None:
         _fail(
             f"unknown config field {field.group(0) if field else text!r}"
             + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
-            + "; see the config file (and flaxformer_lite/config.py) for the fields"
+            + "; `python -m flaxformer_lite.main fields` lists the fields"
         )
 
 

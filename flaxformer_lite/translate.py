@@ -22,19 +22,18 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite import decoding
-from flaxformer_lite.architectures.lm import LanguageModel
-from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.architectures import LanguageModel
 from flaxformer_lite.config import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
-from flaxformer_lite.training.average import abstract_train_state, load_run_config
-from flaxformer_lite.training.state import evaluation_params
+from flaxformer_lite.experiment import DecodeConfig
+from flaxformer_lite.run import Run
 
 TOO_LONG = ("truncate", "refuse")
 
@@ -52,56 +51,42 @@ def _without_training_only(c: ModelConfig) -> ModelConfig:
     )
 
 
-def _newest_kind(workdir: Path) -> str:
-    """The checkpoint a run translates with: averaged if present, else best, else last."""
-    for kind in ("averaged", "best", "last"):
-        if ckpt_lib.available(workdir, kind) is not None:
-            return kind
-    raise ckpt_lib.CheckpointError(
-        f"{workdir} holds no checkpoint yet; train first (or wait for the first save)"
-    )
-
-
-def _load_params(workdir: Path, config, target, kind: str) -> tuple[dict, int]:
-    """The parameters of the newest ``kind`` checkpoint that the run evaluated with."""
-    if kind == "last" and config.get("optimizer", {}).get("ema_decay", 0.0) > 0:
-        # The run evaluated (and kept as best) its parameters' moving average.
-        return _state_params(workdir)
-    return ckpt_lib.restore_params(workdir, target, kind)
-
-
-def _state_params(workdir: Path, step: int | None = None) -> tuple[dict, int]:
-    """The evaluation parameters (the moving average, where the run kept one) of a
-    ``checkpoints/`` step (default: the newest)."""
-    state, step = ckpt_lib.restore_last_state(
-        workdir, abstract_train_state(load_run_config(workdir)), step
-    )
-    # On one device, like restore_params' (a full state may come back replicated).
-    return jax.device_put(evaluation_params(state), jax.local_devices()[0]), step
-
-
 class TranslateError(ValueError):
     """Bad input to the translator; the message names the value and the fix."""
 
 
 class Translator:
+    """Translates (encoder-decoder runs) or continues text (language-model runs)
+    with a model's parameters and its tokenizer.
+
+    Build one from a trained run with :meth:`from_workdir`, or from a model, its
+    parameters (a tuple of parameter trees decodes with their ensemble) and a
+    :class:`~flaxformer_lite.data.tokenizer.Tokenizer`. Inputs are batched
+    ``batch_size`` at a time, sorted by length, and returned in input order;
+    ``too_long`` says what happens to an input longer than ``model.max_len``
+    (``truncate`` with a warning, or ``refuse``). ``decode`` holds the decoding
+    options that :meth:`translate` uses when not given (a run's ``decode`` section;
+    default: the paper's beam 4, alpha 0.6, at most source length + 50 pieces).
+    """
+
     def __init__(
         self,
-        model,
+        model: nn.Module,
         params,
         tokenizer: Tokenizer,
         *,
         batch_size: int = 32,
         too_long: str = "truncate",
-        max_extra: int = 50,
+        decode: DecodeConfig | None = None,
     ):
         if too_long not in TOO_LONG:
             raise TranslateError(f"too_long={too_long!r}; choose one of {', '.join(TOO_LONG)}")
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.config: ModelConfig = model.config
-        self.batch_size, self.too_long, self.max_extra = batch_size, too_long, max_extra
-        self.checkpoint = ""
-        self.run_config: ml_collections.ConfigDict | None = None
+        self.batch_size, self.too_long = batch_size, too_long
+        self.decode = decode or DecodeConfig()
+        self.checkpoint = ""  # which checkpoint(s) the parameters came from, for reports
+        self.run: Run | None = None  # the run it was loaded from, if any
 
     @classmethod
     def from_workdir(
@@ -116,67 +101,57 @@ class Translator:
         ``"WORKDIR"`` (its averaged/best/last checkpoint), ``"WORKDIR@STEP"`` or
         ``"@STEP"`` (a kept checkpoint of this or that run, e.g. two seeds or the
         last checkpoints of one run). Members must share the model config and tokenizer."""
-        workdir = Path(workdir)
-        values = ckpt_lib.read_config(workdir)
-        if values is None:
-            raise ckpt_lib.CheckpointError(
-                f"{workdir} is not a training run (no {ckpt_lib.CONFIG_FILE}); train first: "
-                f"python -m flaxformer_lite.main --config=configs/ende_small.py --workdir={workdir}"
-            )
-        config = ml_collections.ConfigDict(values)
-        model_config = ModelConfig.from_dict(config.model)
-        is_lm = config.data.get("task", "translation") == "lm"
-        model = LanguageModel(model_config) if is_lm else Transformer(model_config)
-        dummy = jnp.ones((1, 8), jnp.int32)
-        target = jax.eval_shape(
-            lambda: model.init(jax.random.key(0), *((dummy,) if is_lm else (dummy, dummy)))
-        )["params"]
-        kind = kind or _newest_kind(workdir)
-        params, step = _load_params(workdir, config, target, kind)
-        translator = cls(model, params, Tokenizer.load(workdir / MODEL_NAME), **kwargs)
+        run = Run.open(workdir)
+        kind = kind or run.newest_kind()
+        params, step = run.params(kind)
+        kwargs.setdefault("decode", run.config.decode)
+        translator = cls(run.model(), params, run.tokenizer, **kwargs)
         translator.checkpoint = f"{kind} checkpoint, step {step}"
-        translator.run_config = config
+        translator.run = run
         if ensemble:
-            translator._add_members(workdir, target, ensemble)
+            translator._add_members(run, ensemble)
         return translator
 
-    def _add_members(self, workdir: Path, target, specs: Sequence[str]) -> None:
+    @property
+    def run_config(self):
+        """The experiment config of the run the translator was loaded from (or None)."""
+        return None if self.run is None else self.run.config
+
+    def _add_members(self, run: Run, specs: Sequence[str]) -> None:
         """Decode with the mean probability of this model and the ``specs``' models."""
         members, names = [self.params], []
         for spec in specs:
             path, _, step_text = spec.rpartition("@")
             if not step_text.isdigit():
                 path, step_text = spec, ""
-            member_dir = Path(path) if path else workdir
-            values = ckpt_lib.read_config(member_dir)
-            if values is None:
+            member_dir = Path(path) if path else run.workdir
+            try:
+                member = Run.open(member_dir)
+            except ckpt_lib.CheckpointError:
                 raise ckpt_lib.CheckpointError(
                     f"ensemble member {spec!r}: {member_dir} is not a training run "
                     f"(no {ckpt_lib.CONFIG_FILE}); give WORKDIR, WORKDIR@STEP or @STEP"
-                )
-            member_config = ModelConfig.from_dict(ml_collections.ConfigDict(values).model)
-            if _without_training_only(member_config) != _without_training_only(self.config):
+                ) from None
+            if _without_training_only(member.model_config) != _without_training_only(self.config):
                 raise ckpt_lib.CheckpointError(
-                    f"ensemble member {spec!r} has another model config than {workdir}; "
+                    f"ensemble member {spec!r} has another model config than {run.workdir}; "
                     "members must share the model and the tokenizer (dropout may differ)"
                 )
             tokenizer = member_dir / MODEL_NAME
             if (
                 not tokenizer.is_file()
-                or tokenizer.read_bytes() != (workdir / MODEL_NAME).read_bytes()
+                or tokenizer.read_bytes() != (run.workdir / MODEL_NAME).read_bytes()
             ):
                 raise ckpt_lib.CheckpointError(
-                    f"ensemble member {spec!r} has another tokenizer than {workdir}; "
+                    f"ensemble member {spec!r} has another tokenizer than {run.workdir}; "
                     "members must share the model and the tokenizer"
                 )
             if step_text:
-                params, step = _state_params(member_dir, int(step_text))
+                params, step = member.params("last", int(step_text))
                 names.append(f"{member_dir}@{step}")
             else:
-                kind = _newest_kind(member_dir)
-                params, step = _load_params(
-                    member_dir, ml_collections.ConfigDict(values), target, kind
-                )
+                kind = member.newest_kind()
+                params, step = member.params(kind)
                 names.append(f"{member_dir} ({kind}, step {step})")
             members.append(params)
         self.params = tuple(members)
@@ -219,14 +194,16 @@ class Translator:
     def translate(
         self,
         sentences: Sequence[str],
-        beam_size: int = 4,
-        alpha: float = 0.6,
+        beam_size: int | None = None,
+        alpha: float | None = None,
         max_length: int | None = None,
-        no_repeat_ngram: int = 0,
-        min_length_ratio: float = 0.0,
-        max_length_ratio: float = 0.0,
+        no_repeat_ngram: int | None = None,
+        min_length_ratio: float | None = None,
+        max_length_ratio: float | None = None,
     ) -> list[str]:
         """Translations of ``sentences`` (empty or blank sentences give '').
+
+        An option left at None takes its value from ``self.decode``.
 
         ``no_repeat_ngram`` = n > 0: no output repeats n tokens (beam search, also
         with ``beam_size=1``, which then equals greedy decoding under that rule).
@@ -240,6 +217,12 @@ class Translator:
             raise TranslateError("translate() takes a list of sentences, not one string")
         if isinstance(self.model, LanguageModel):
             raise TranslateError("this workdir holds a language model; use generate()")
+        d = self.decode
+        beam_size = d.beam_size if beam_size is None else beam_size
+        alpha = d.alpha if alpha is None else alpha
+        no_repeat_ngram = d.no_repeat_ngram if no_repeat_ngram is None else no_repeat_ngram
+        min_length_ratio = d.min_length_ratio if min_length_ratio is None else min_length_ratio
+        max_length_ratio = d.max_length_ratio if max_length_ratio is None else max_length_ratio
         if not isinstance(beam_size, int) or beam_size < 1:
             raise TranslateError(f"beam_size={beam_size!r} must be an integer >= 1")
         if not alpha >= 0:
@@ -274,7 +257,7 @@ class Translator:
         encoded = self._encode([sentences[i] for i in todo])
         c = self.config
         for idx, rows, longest in self._batches(encoded):
-            limit = max_length or min(longest + self.max_extra, c.max_len)
+            limit = max_length or min(longest + d.max_extra, c.max_len)
             bounds = {}
             if bounded:
                 # Source pieces, EOS excluded; padding rows get no bounds.
@@ -402,24 +385,16 @@ class Translator:
 def main(
     workdir: str,
     sentences: list[str],
-    beam_size: int,
-    alpha: float,
     input_file: str | None = None,
-    no_repeat_ngram: int = 0,
-    min_length_ratio: float = 0.0,
-    max_length_ratio: float = 0.0,
     ensemble: Sequence[str] = (),
+    **options,
 ) -> int:
+    """``main translate``: one translation per sentence, one line each (``options``:
+    beam_size, alpha, no_repeat_ngram, min/max_length_ratio as in
+    ``Translator.translate``; None = the run's ``decode`` section)."""
     translator = Translator.from_workdir(workdir, ensemble=ensemble)
     sentences = _read_lines(sentences, input_file, "sentences")
-    for line in translator.translate(
-        sentences,
-        beam_size=beam_size,
-        alpha=alpha,
-        no_repeat_ngram=no_repeat_ngram,
-        min_length_ratio=min_length_ratio,
-        max_length_ratio=max_length_ratio,
-    ):
+    for line in translator.translate(sentences, **options):
         print(line)
     return 0
 

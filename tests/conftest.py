@@ -30,3 +30,11 @@ def tiny_config() -> ModelConfig:
 @pytest.fixture
 def rng():
     return jax.random.key(0)
+
+
+@pytest.fixture(scope="session")
+def fixture_data(tmp_path_factory):
+    """(raw package folder, TFDS data_dir) of the fixture Ding corpus, built once."""
+    from tests import fixtures
+
+    return fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))

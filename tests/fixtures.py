@@ -114,3 +114,28 @@ def build_ding_dataset(root: Path, ding_sentences: int = 1600) -> tuple[Path, Pa
     data_dir = root / "tfds"
     build_local_dataset("ding_de_en", data_dir, raw_dir=raw)
     return raw, data_dir
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_config(name: str = "ende_small", arg: str | None = "debug"):
+    """The ml_collections config of ``configs/<name>.py`` with its ``arg`` variant."""
+    from flaxformer_lite import experiment
+
+    return experiment.load_config(str(ROOT / "configs" / f"{name}.py"), arg)
+
+
+def debug_config(data_dir, **train):
+    """The default config's ``:debug`` variant on the fixture Ding dataset in ``data_dir``,
+    with ``train`` fields overridden."""
+    config = load_config()
+    config.model.vocab_size = 100  # the fixture corpus supports ~108 pieces
+    # Dropout on, whatever the default config says, so that the resume and averaging
+    # tests always exercise the dropout keys.
+    config.model.residual_dropout = 0.1
+    config.model.embedding_dropout = 0.1
+    config.data.data_dir = str(data_dir)
+    for k, v in train.items():
+        config.train[k] = v
+    return config

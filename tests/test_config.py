@@ -88,19 +88,20 @@ def test_paper_defaults():
         ("tie_embeddings", "yes", r"model.tie_embeddings='yes' .* none, src_tgt, tgt_softmax, all"),
         ("activation", "swish", r"model.activation='swish' .* relu"),
         ("dtype", "float8", r"model.dtype='float8' .* float32"),
-        ("vocab_size", 0, r"model.vocab_size=0 must be a positive integer"),
-        ("d_model", -512, r"model.d_model=-512 must be a positive integer"),
-        ("num_heads", 0, r"model.num_heads=0 must be a positive integer"),
-        ("d_ff", 2.5, r"model.d_ff=2.5 must be a positive integer"),
-        ("max_len", True, r"model.max_len=True must be a positive integer"),
-        ("num_encoder_layers", -1, r"model.num_encoder_layers=-1 must be a non-negative"),
-        ("d_k", 0, r"model.d_k=0 must be a positive integer, or None"),
-        ("residual_dropout", 1.0, r"model.residual_dropout=1.0 must be a rate in \[0, 1\)"),
-        ("embedding_dropout", -0.1, r"model.embedding_dropout=-0.1 must be a rate in \[0, 1\)"),
-        ("attention_dropout", 1.5, r"model.attention_dropout=1.5 must be a rate"),
-        ("source_token_dropout", 1.0, r"model.source_token_dropout=1.0 must be a rate in \[0, 1\)"),
-        ("ffn_dropout", "0.1", r"model.ffn_dropout='0.1' must be a rate"),
+        ("vocab_size", 0, r"model.vocab_size=0 must be > 0"),
+        ("d_model", -512, r"model.d_model=-512 must be > 0"),
+        ("num_heads", 0, r"model.num_heads=0 must be > 0"),
+        ("d_ff", 2.5, r"model.d_ff=2.5 must be of type int"),
+        ("max_len", True, r"model.max_len=True must be of type int"),
+        ("num_encoder_layers", -1, r"model.num_encoder_layers=-1 must be >= 0"),
+        ("d_k", 0, r"model.d_k=0 must be > 0, or None"),
+        ("residual_dropout", 1.0, r"model.residual_dropout=1.0 must be in \[0, 1\)"),
+        ("embedding_dropout", -0.1, r"model.embedding_dropout=-0.1 must be in \[0, 1\)"),
+        ("attention_dropout", 1.5, r"model.attention_dropout=1.5 must be in \[0, 1\)"),
+        ("source_token_dropout", 1.0, r"model.source_token_dropout=1.0 must be in \[0, 1\)"),
+        ("ffn_dropout", "0.1", r"model.ffn_dropout='0.1' must be of type float"),
         ("layer_norm_epsilon", 0.0, r"model.layer_norm_epsilon=0.0 must be > 0"),
+        ("dropout_bits", 4, r"model.dropout_bits=4 is not allowed; choose one of 8, 16, 32"),
         ("eos_id", 0, r"model.eos_id=0 equals model.pad_id"),
         ("bos_id", 37000, r"model.bos_id=37000 must be a token id in \[0, vocab_size=37000\)"),
     ],
@@ -124,9 +125,9 @@ def test_sinusoidal_needs_even_width():
 
 
 def test_unknown_fields_rejected():
-    with pytest.raises(ConfigError, match=r"unknown model config field\(s\) \['num_layers'\]"):
+    with pytest.raises(ConfigError, match=r"config.model: unknown fields \['num_layers'\]"):
         ModelConfig.from_dict({"num_layers": 3})
-    with pytest.raises(ConfigError, match="unknown model config field"):
+    with pytest.raises(ConfigError, match="config.model: unknown fields"):
         PRESETS["paper_base"].replace(hidden=3)
     with pytest.raises(ConfigError, match="unknown preset 'paper_huge'"):
         get_preset("paper_huge")
@@ -162,3 +163,25 @@ def test_config_file_overrides_and_locking():
     config.model.score_fn = "cosine"
     with pytest.raises(ConfigError, match="score_fn='cosine'"):
         model_config_from(config)
+
+
+def test_registries_check_the_config_in_a_fresh_process():
+    """The score-function registry and the sparse-spec grammar check a ModelConfig even
+    when nothing but flaxformer_lite.config was imported (the package imports them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from flaxformer_lite.config import ConfigError, ModelConfig\n"
+        "for bad in (dict(score_fn='cosine'), dict(attention_pattern='nope')):\n"
+        "    try:\n"
+        "        ModelConfig(**bad)\n"
+        "    except ConfigError as e:\n"
+        "        print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.splitlines()
+    assert len(out) == 2
+    assert out[0].startswith("model.score_fn='cosine' is not allowed")
+    assert out[1].startswith("model.attention_pattern='nope': unknown sparse pattern 'nope'")

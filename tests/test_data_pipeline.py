@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from flaxformer_lite import Transformer
 from flaxformer_lite.config import ModelConfig
-from flaxformer_lite.data import builders, pipeline, prepare
+from flaxformer_lite.data import builders, pipeline, prepare, sources
 from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.steps import eval_step
@@ -33,7 +33,7 @@ def data_dir(tmp_path_factory, raw_root):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory, data_dir):
-    pairs = pipeline.load_text_pairs("ding_de_en", "train", "en", "de", data_dir)
+    pairs = sources.load_text_pairs("ding_de_en", "train", "en", "de", data_dir)
     return train_tokenizer(
         (s for p in pairs for s in p),
         tmp_path_factory.mktemp("tok") / "tokenizer.model",
@@ -82,11 +82,11 @@ def test_builders_write_array_record_and_read_without_tensorflow(data_dir):
 
 
 def test_load_text_pairs_direction_and_errors(data_dir):
-    en_de = pipeline.load_text_pairs("ding_de_en", "validation", "en", "de", data_dir)
-    de_en = pipeline.load_text_pairs("ding_de_en", "validation", "de", "en", data_dir)
+    en_de = sources.load_text_pairs("ding_de_en", "validation", "en", "de", data_dir)
+    de_en = sources.load_text_pairs("ding_de_en", "validation", "de", "en", data_dir)
     assert en_de[0] == de_en[0][::-1]
     with pytest.raises(ValueError, match="has no feature 'fr'"):
-        pipeline.load_text_pairs("ding_de_en", "validation", "en", "fr", data_dir)
+        sources.load_text_pairs("ding_de_en", "validation", "en", "fr", data_dir)
 
 
 def test_tokenizer_ids_and_round_trip(tokenizer, tmp_path):

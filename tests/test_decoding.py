@@ -308,7 +308,9 @@ def test_tiny_model_learns_to_copy_and_decodes_it_perfectly():
         return jnp.asarray(src)
 
     params = model.init(jax.random.key(0), batch(2), batch(2))["params"]
-    tx = optax.adam(3e-3)
+    # Adam at a constant 3e-3 spikes now and then (loss 0.13 at step 800 after 0.0015 at
+    # 700 on one CPU), so the rate warms up and decays: the last steps settle the copy.
+    tx = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, 800, 3e-5))
     opt = tx.init(params)
 
     @jax.jit
@@ -323,7 +325,7 @@ def test_tiny_model_learns_to_copy_and_decodes_it_perfectly():
         return optax.apply_updates(params, updates), opt, value
 
     # 400 steps (loss < 0.05) left one token in 32 sentences wrong on some CPUs: train
-    # on until the copy is reliable, so the test checks decoding, not luck.
+    # until the copy is reliable (loss ~0.0014 at 800), so the test checks decoding.
     for _ in range(800):
         params, opt, value = step(params, opt, batch(64))
     assert float(value) < 0.01

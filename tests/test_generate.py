@@ -13,7 +13,7 @@ import pytest
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
 from tests import fixtures
-from tests.test_training import load_config
+from tests.fixtures import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

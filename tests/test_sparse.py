@@ -1,4 +1,4 @@
-"""Sparse attention: blocked kernel == masked dense reference, causality, coverage, config."""
+"""Sparse attention: blocked kernel == masked dense oracle, causality, coverage, config."""
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,9 @@ from flaxformer_lite.components.masks import make_causal_mask
 from flaxformer_lite.config import ConfigError, ModelConfig
 from flaxformer_lite.sparse import analysis
 from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.blocked import block_diagonals, reference_attention, sparse_attention
-from flaxformer_lite.sparse.topk import topk_attention, topk_reference
+from flaxformer_lite.sparse.blocked import block_diagonals, sparse_attention
+from flaxformer_lite.sparse.topk import topk_attention
+from tests import oracles
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_blocked_matches_reference_values_and_gradients(name, causal, n, block, 
         return lambda q, k, v: (fn(q, k, v) * weights).sum()
 
     blocked = lambda q, k, v: sparse_attention(q, k, v, pattern, block_size=block, **kw)
-    ref = lambda q, k, v: reference_attention(q, k, v, pattern, **kw)
+    ref = lambda q, k, v: oracles.masked_attention(q, k, v, pattern, **kw)
     np.testing.assert_allclose(jax.jit(blocked)(q, k, v), ref(q, k, v), atol=2e-6, rtol=1e-5)
     gb = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2)))(q, k, v)
     gr = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
@@ -95,13 +96,25 @@ def test_scanned_blocks_match_reference(name, scan_blocks, rng):
     blocked = lambda q, k, v: sparse_attention(
         q, k, v, pattern, block_size=8, scan_blocks=scan_blocks, **kw
     )
-    ref = lambda q, k, v: reference_attention(q, k, v, pattern, **kw)
+    ref = lambda q, k, v: oracles.masked_attention(q, k, v, pattern, **kw)
     np.testing.assert_allclose(jax.jit(blocked)(q, k, v), ref(q, k, v), atol=2e-6, rtol=1e-5)
     loss = lambda fn: lambda q, k, v: (fn(q, k, v) * weights).sum()
     gb = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2)))(q, k, v)
     gr = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
     for a, r in zip(gb, gr, strict=True):
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bigbird", "local|strided|global", "fixed"])
+def test_reference_impl_is_the_masked_oracle(name, rng):
+    """attention_impl=reference (dense attention under the pattern's mask) agrees with
+    the oracle, packed segments and padding included."""
+    pattern = PATTERNS[name]
+    q, k, v = _qkv(rng, 2, 37, 2, 8)
+    seg = _segments(2, 37)
+    got = sparse.masked_dense_attention(q, k, v, pattern, segments=seg)
+    want = oracles.masked_attention(q, k, v, pattern, q_segments=seg, kv_segments=seg)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
 def test_block_diagonals_split_bands_from_random_blocks():
@@ -182,18 +195,51 @@ def test_receptive_field_claims():
     assert analysis.layers_to_cover(band, n) == 32  # output 63 reads input 0: 63 / 2 per layer
 
 
-def test_pictures(tmp_path):
-    a = analysis.plot_pattern(P.bigbird(8, 3, 1, 2), 64, tmp_path / "bigbird.png")
-    b = analysis.plot_receptive_field(P.Local(2), 64, 6, tmp_path / "rf.png")
-    for path in (a, b):
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def _cells(png_path, fig, rows: int, cols: int) -> np.ndarray:
+    """The saved PNG's pixel at the centre of each cell of the figure's image axes,
+    ``[rows, cols, channels]`` (display y runs up, PNG rows run down)."""
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png_path)
+    box = fig.axes[0].get_window_extent()
+    height = pixels.shape[0]
+    ys = box.y1 - (np.arange(rows) + 0.5) * box.height / rows
+    xs = box.x0 + (np.arange(cols) + 0.5) * box.width / cols
+    return pixels[(height - ys).astype(int)[:, None], xs.astype(int)[None, :]]
+
+
+def test_pictures_draw_the_pattern(tmp_path):
+    """The PNGs have the figure's size, and each cell of the drawn matrix is dark exactly
+    where the pattern attends (and the receptive-field rows where inputs reach)."""
+    pattern, n = P.bigbird(8, 3, 1, 2), 64
+    fig = analysis.pattern_figure(pattern, n)
+    path = analysis.plot_pattern(pattern, n, tmp_path / "bigbird.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig.savefig(tmp_path / "same.png")
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == (400, 400)  # 4 x 4 inches at 100 dpi
+    np.testing.assert_array_equal(pixels, matplotlib.image.imread(tmp_path / "same.png"))
+    brightness = _cells(path, fig, n, n)[..., :3].mean(-1)
+    np.testing.assert_array_equal(brightness < 0.5, pattern.mask(n))
+    layers = 6
+    rf = analysis.receptive_field_figure(P.Local(2), n, layers)
+    path = analysis.plot_receptive_field(P.Local(2), n, layers, tmp_path / "rf.png")
+    assert matplotlib.image.imread(path).shape[:2] == (int(100 * (0.35 * layers + 1.2)), 600)
+    want = analysis.receptive_field(P.Local(2), n, layers)[:, n // 2, :]
+    blue = _cells(path, rf, layers, n)
+    reached = blue[..., 2] - blue[..., 0] > 0.3  # Blues: reached cells are blue, others white
+    np.testing.assert_array_equal(reached, want)
 
 
 def test_topk_matches_dense_topk(rng):
     q, k, v = _qkv(rng, 1, 50, 2, 8)
     for causal in (False, True):
         out = topk_attention(q, k, v, 6, causal=causal, query_block=16)
-        np.testing.assert_allclose(out, topk_reference(q, k, v, 6, causal=causal), atol=2e-6)
+        np.testing.assert_allclose(
+            out, oracles.topk_attention(q, k, v, 6, causal=causal), atol=2e-6
+        )
     # k >= n is dense attention
     np.testing.assert_allclose(
         topk_attention(q, k, v, 64, query_block=16), dot_product_attention(q, k, v), atol=2e-6
@@ -275,7 +321,7 @@ def test_lm_cached_decoding_matches_full_forward(spec, rng):
         ("attention_pattern", "bigbird:window=2", "must be odd"),
         ("attention_impl", "flash", "attention_impl"),
         ("attention_block_size", 0, "attention_block_size=0"),
-        ("attention_scan_blocks", -1, "attention_scan_blocks=-1 must be an integer >= 0"),
+        ("attention_scan_blocks", -1, "attention_scan_blocks=-1 must be >= 0"),
     ],
 )
 def test_bad_sparse_config(field, value, needle):

@@ -11,11 +11,12 @@ import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite import decoding
+from flaxformer_lite.config import ConfigError
 from flaxformer_lite.evaluation import evaluate_workdir
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
 from tests import fixtures
-from tests.test_training import debug_config
+from tests.fixtures import debug_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -152,14 +153,23 @@ def test_ensemble_member_errors(run, tmp_path):
         Translator.from_workdir(workdir, ensemble=[str(other)])
 
 
-def test_evaluate_writes_scores_and_translations(run, capsys):
+def test_evaluate_writes_scores_and_translations(run):
     workdir, _ = run
     scores = evaluate_workdir(workdir, "test", beam_size=2, limit=10)
-    out = capsys.readouterr().out
-    assert "BLEU" in out and "tok:13a" in out and "source:" in out
-    assert scores.num_sentences == 10
-    assert (workdir / "test_translations.tsv").read_text().count("\n") == 11
-    assert (workdir / "test_scores.json").exists()
+    assert scores.num_sentences == 10 and "tok:13a" in scores.bleu_signature
+    rows = (workdir / "test_translations.tsv").read_text().splitlines()
+    assert rows[0] == "source\treference\thypothesis" and len(rows) == 11
+    hypotheses = [row.split("\t")[2] for row in rows[1:]]
+    saved = json.loads((workdir / "test_scores.json").read_text())
+    assert saved["bleu"] == scores.bleu and saved["num_sentences"] == 10
+    # Options given are used; the others come from the run's decode section.
+    assert (saved["beam_size"], saved["alpha"], saved["no_repeat_ngram"]) == (2, 0.6, 0)
+    assert saved["checkpoint"].startswith("best checkpoint")
+    # The scores are those of the written translations.
+    sources = [row.split("\t")[0] for row in rows[1:]]
+    assert Translator.from_workdir(workdir).translate(sources, beam_size=2) == hypotheses
+    with pytest.raises(ConfigError, match="config.decode.alpha=-1.0 must be >= 0"):
+        evaluate_workdir(workdir, "test", alpha=-1.0, limit=2)
 
 
 def test_translate_cli(run):

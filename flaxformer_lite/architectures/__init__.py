@@ -1,0 +1,21 @@
+"""Whole models built from components: the encoder-decoder and the decoder-only LM."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+
+from flaxformer_lite.architectures.lm import LanguageModel
+from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.config import ModelConfig
+
+TASKS = ("translation", "lm")
+
+
+def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Module:
+    """The encoder-decoder for ``translation``, the decoder-only LM for ``lm``."""
+    if task not in TASKS:
+        raise ValueError(f"task {task!r}; choose one of {', '.join(TASKS)}")
+    return LanguageModel(model_config) if task == "lm" else Transformer(model_config)
+
+
+__all__ = ["LanguageModel", "TASKS", "Transformer", "build_model"]

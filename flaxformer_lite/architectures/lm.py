@@ -27,6 +27,9 @@ from flaxformer_lite.config import ModelConfig
 
 
 class LanguageModel(nn.Module):
+    """Decoder-only Transformer: ``(tokens [b, l]) -> logits [b, l, V]``, causal (see the
+    module docstring); ``decode=True`` steps with a KV cache like ``Transformer.decode``."""
+
     config: ModelConfig
 
     def setup(self):

@@ -1,0 +1,1 @@
+"""Building blocks of the models, each usable and tested alone."""

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from flaxformer_lite.components.dropout import dropout
+from flaxformer_lite.config import ConfigError, ModelConfig, register_check
 
 ScoreFn = Callable[[Array, Array], Array]
 ScoreFactory = Callable[..., ScoreFn]
@@ -52,6 +53,16 @@ def register_score_fn(name: str) -> Callable[[ScoreFactory], ScoreFactory]:
 def score_fn_names() -> tuple[str, ...]:
     """Names accepted by ``ModelConfig.score_fn``."""
     return tuple(_SCORE_FNS)
+
+
+@register_check
+def check_score_fn(config: ModelConfig) -> None:
+    """``model.score_fn`` names a registered score function (run by every ModelConfig)."""
+    if config.score_fn not in _SCORE_FNS:
+        raise ConfigError(
+            f"model.score_fn={config.score_fn!r} is not allowed; choose one of "
+            f"{', '.join(_SCORE_FNS)} (or register one with register_score_fn)"
+        )
 
 
 def make_score_fn(

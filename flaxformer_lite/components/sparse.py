@@ -45,13 +45,18 @@ Examples: ``local:window=64+global:first=2``, ``sparse_strided:stride=64``,
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import Array
 
+from flaxformer_lite.components.attention import dot_product_attention
+from flaxformer_lite.config import ATTENTION_IMPLS, ConfigError, ModelConfig, register_check
 from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.blocked import reference_attention, sparse_attention
+from flaxformer_lite.sparse.blocked import sparse_attention
+from flaxformer_lite.sparse.online_softmax import segment_mask
 
-IMPLS = ("blocked", "reference")
+IMPLS = ATTENTION_IMPLS
 
 _ATOMS = {
     "full": ({}, lambda a, blk, seed: P.Full()),
@@ -93,6 +98,8 @@ _ATOMS = {
 
 
 class PatternSpecError(ValueError):
+    """A sparse pattern spec that does not parse or does not fit the model."""
+
     pass
 
 
@@ -180,6 +187,25 @@ def check_spec(spec: str, num_heads: int, num_layers: int, block_size: int) -> N
             pattern.plans(2 * block_size + 1, block_size)  # surfaces bad parameters early
 
 
+@register_check
+def check_model_pattern(config: ModelConfig) -> None:
+    """``model.attention_pattern`` parses and fits the model (run by every ModelConfig)."""
+    if is_dense(config.attention_pattern):
+        return
+    try:
+        check_spec(
+            config.attention_pattern,
+            config.num_heads,
+            max(config.num_encoder_layers, config.num_decoder_layers),
+            config.attention_block_size,
+        )
+    except PatternSpecError as e:
+        raise ConfigError(
+            f"model.attention_pattern={config.attention_pattern!r}: {e} "
+            "(grammar: flaxformer_lite/components/sparse.py)"
+        ) from None
+
+
 def sliding_window(patterns: list[P.Pattern]) -> int | None:
     """Largest window if every head group is a (causal) Local band, else None."""
     windows = []
@@ -217,14 +243,31 @@ def multihead_sparse_attention(
                 )
             )  # fmt: skip
         elif impl == "reference":
-            outs.append(
-                reference_attention(
-                    q, k, v, pattern, q_segments=segments, kv_segments=segments, scale=scale
-                )
-            )
+            outs.append(masked_dense_attention(q, k, v, pattern, segments=segments, scale=scale))
         else:
             raise ValueError(f"attention_impl={impl!r}; choose one of {', '.join(IMPLS)}")
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+
+
+def masked_dense_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    pattern: P.Pattern,
+    *,
+    segments: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """The pattern's attention as dense attention under its ``[n, n]`` mask
+    (``attention_impl=reference``): quadratic memory, for checking and small ``n``."""
+    n, d = query.shape[1], query.shape[-1]
+    mask = jnp.asarray(pattern.mask(n))[None, None]
+    if segments is not None:
+        mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return dot_product_attention(
+        query, key, value, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    )
 
 
 def decode_mask(patterns: list[P.Pattern], q_pos: Array, k_pos: Array, n: int) -> Array:

@@ -1,0 +1,1 @@
+"""Corpora, TFDS builders, tokenizer, a run's data assembly and the input pipeline."""

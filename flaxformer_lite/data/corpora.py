@@ -40,6 +40,8 @@ SENTENCE_END = (".", "?", "!")
 
 @dataclasses.dataclass
 class DingCorpus:
+    """The Ding file split into sentence pairs and dictionary phrases, with counts."""
+
     sentences: list[tuple[str, str]]  # (de, en), unique, in file order
     phrases: list[tuple[str, str]]  # (de, en) dictionary pairs that are not sentences
     lines: int = 0

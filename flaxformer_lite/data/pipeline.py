@@ -4,12 +4,14 @@ Training batches are packed: several sentence pairs share a row of
 ``max_length`` tokens, told apart by ``*_segment_ids`` (1, 2, ...; 0 = padding)
 and restarted ``*_positions``; the model's segment masks keep them apart, so a
 packed batch computes exactly what the same pairs padded one per row would
-(tests/test_pipeline.py). Evaluation batches are padded one pair per row.
+(tests/test_data_pipeline.py). Evaluation batches are padded one pair per row.
 
 Every text is tokenized once, when the pipeline is built (a few seconds); the
 per-step work is index lookups and first-fit packing in a prefetch thread, so
 the training step never waits on data (benchmarks/train_step.py prints the
-real/synthetic step-time ratio).
+real/synthetic step-time ratio). The texts come from
+:mod:`~flaxformer_lite.data.sources`, a run's examples from
+:mod:`~flaxformer_lite.data.assembly`.
 
 A batch is a dict of int32 numpy arrays ``[batch, max_length]``: ``inputs``,
 ``targets`` and, when packed, ``inputs_segment_ids``, ``inputs_positions``,
@@ -23,10 +25,7 @@ the same data order.
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 
 import grain
 import numpy as np
@@ -39,93 +38,12 @@ TOO_LONG = ("drop", "truncate")
 
 @dataclasses.dataclass(frozen=True)
 class PipelineStats:
+    """What tokenization kept and dropped of a split."""
+
     examples: int
     dropped_too_long: int
     truncated: int
     dropped_empty: int
-
-
-def load_texts(
-    dataset: str, split: str, features: Sequence[str], data_dir: str | Path
-) -> list[tuple[str, ...]]:
-    """Tuples of the given text features of one split, read with ``tfds.data_source``."""
-    import tensorflow_datasets as tfds
-
-    from flaxformer_lite.data import builders
-
-    if dataset in builders.LOCAL_BUILDERS:
-        builders.build_local_dataset(dataset, data_dir)
-        source = tfds.data_source(dataset, split=split, data_dir=str(data_dir))
-    else:  # any TFDS name, e.g. wmt14_translate/de-en (downloads on first use)
-        source = tfds.data_source(dataset, split=split, data_dir=str(data_dir), download=True)
-    if len(source) == 0:
-        raise ValueError(f"split {split!r} of {dataset} is empty")
-    first = source[0]
-    for feature in features:
-        if feature not in first:
-            raise ValueError(
-                f"dataset {dataset} has no feature {feature!r} (it has {sorted(first)}); set "
-                "data.source_lang / data.target_lang to features it has"
-            )
-
-    def text(value) -> str:
-        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-    # Batched reads: one record at a time costs ~1.7 ms (11 min for the 399k phrase
-    # pairs); __getitems__ reads a chunk in one call, ~50x faster.
-    out: list[tuple[str, ...]] = []
-    chunk = 4096
-    for start in range(0, len(source), chunk):
-        indices = list(range(start, min(start + chunk, len(source))))
-        records = (
-            source.__getitems__(indices)
-            if hasattr(source, "__getitems__")
-            else [source[i] for i in indices]
-        )
-        out.extend(tuple(text(ex[f]) for f in features) for ex in records)
-    return out
-
-
-def load_text_pairs(
-    dataset: str, split: str, source_lang: str, target_lang: str, data_dir: str | Path
-) -> list[tuple[str, str]]:
-    """(source, target) strings of one split."""
-    return load_texts(dataset, split, (source_lang, target_lang), data_dir)
-
-
-def fixed_subset(items: Sequence, limit: int | None) -> list:
-    """``limit`` of ``items`` in their order, the same on every machine and run
-    (``split:N`` in ``data.train_splits``); all of them if ``limit`` is None or larger."""
-    if limit is None or limit >= len(items):
-        return list(items)
-    keep = np.sort(np.random.default_rng(0).permutation(len(items))[:limit])
-    return [items[i] for i in keep]
-
-
-_WORD = re.compile(r"\w+")
-
-
-def word_counts(texts: Sequence[tuple[str, ...]]) -> list[Counter]:
-    """Lower-cased word counts of each feature (source, target) of ``texts``."""
-    counts = [Counter() for _ in range(len(texts[0]))] if texts else []
-    for t in texts:
-        for c, text in zip(counts, t, strict=True):
-            c.update(w.lower() for w in _WORD.findall(text))
-    return counts
-
-
-def known_word_pairs(
-    texts: Sequence[tuple[str, ...]], counts: Sequence[Counter], min_count: int
-) -> list[tuple[str, ...]]:
-    """The pairs each of whose words occurs >= ``min_count`` times (per feature) in
-    ``counts``: of a large auxiliary set (dictionary phrases), the part about the
-    main corpus's vocabulary."""
-
-    def known(text: str, c: Counter) -> bool:
-        words = _WORD.findall(text)
-        return bool(words) and all(c[w.lower()] >= min_count for w in words)
-
-    return [t for t in texts if all(known(x, c) for x, c in zip(t, counts, strict=True))]
 
 
 def tokenize_pairs(
@@ -323,6 +241,12 @@ class PackedBatchIterator(grain.DatasetIterator):
         self._epoch, self._batch, self._plan = int(state["epoch"]), int(state["batch"]), None
 
 
+# Why a hand-written packer and not grain's FirstFitPackIterDataset: grain's applies
+# the same rule (all bins emitted when an example fits none) and gives the same
+# batches and padding, but packs ~10x fewer tokens per second of host time
+# (benchmarks/packing.py: ~73k vs ~770k tokens/s on the Ding pairs), and on 2 CPU
+# cores the prefetch thread's work is taken from the training step. plan_epoch works
+# on the length table with numpy; grain's packer handles every example in Python.
 class PackedTrainDataset(grain.IterDataset):
     """Training batches packed from pre-tokenized examples, reshuffled every epoch.
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class Package:
+    """A Debian package a dataset is built from, and the path inside it that is read."""
+
     name: str  # Debian package
     relpath: str  # the file or folder the builders read, relative to the package root
     is_file: bool = False  # relpath is a file (else a non-empty folder)

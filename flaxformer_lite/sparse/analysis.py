@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.patterns import Pattern
 
 
@@ -54,8 +55,8 @@ def layers_to_cover(pattern: Pattern, length: int, max_layers: int = 64) -> int 
     return None
 
 
-def plot_pattern(pattern: Pattern, length: int, path: str | Path, title: str | None = None):
-    """PNG of the ``[length, length]`` attention matrix (black = attends)."""
+def pattern_figure(pattern: Pattern, length: int, title: str | None = None):
+    """A matplotlib Figure of the ``[length, length]`` attention matrix (black = attends)."""
     from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
     mask = pattern.mask(length)
@@ -66,21 +67,17 @@ def plot_pattern(pattern: Pattern, length: int, path: str | Path, title: str | N
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return fig
 
 
-def plot_receptive_field(
+def receptive_field_figure(
     pattern: Pattern,
     length: int,
     num_layers: int,
-    path: str | Path,
     title: str | None = None,
     query: int | None = None,
 ):
-    """PNG: for one output position (default the middle), which inputs reach it
+    """A Figure: for one output position (default the middle), which inputs reach it
     after 1..num_layers layers (rows = layers), with the coverage per layer."""
     from matplotlib.figure import Figure
 
@@ -95,10 +92,31 @@ def plot_receptive_field(
     ax.set_xlabel(f"input position (output {i})")
     ax.set_title(title or f"receptive field: {_label(pattern)}", fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path
+
+
+def plot_pattern(pattern: Pattern, length: int, path: str | Path, title: str | None = None):
+    """PNG of :func:`pattern_figure` at ``path``; returns the path."""
+    return _save(pattern_figure(pattern, length, title), path)
+
+
+def plot_receptive_field(
+    pattern: Pattern,
+    length: int,
+    num_layers: int,
+    path: str | Path,
+    title: str | None = None,
+    query: int | None = None,
+):
+    """PNG of :func:`receptive_field_figure` at ``path``; returns the path."""
+    return _save(receptive_field_figure(pattern, length, num_layers, title, query), path)
 
 
 def _label(pattern: Pattern) -> str:
@@ -108,8 +126,6 @@ def _label(pattern: Pattern) -> str:
 
 def gallery(out_dir: str | Path, length: int = 256, num_layers: int = 6) -> list[Path]:
     """The README's pictures: each catalogue pattern's matrix and some receptive fields."""
-    from flaxformer_lite.sparse import patterns as P
-
     out = Path(out_dir)
     shown = {
         "local": (P.Local(16), "Local(window=16)"),

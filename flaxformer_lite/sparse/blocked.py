@@ -24,10 +24,12 @@ the blocks of an online softmax:
 A pair covered by two parts is counted once: the column part comes first, then
 the blocks, then the strides, and each later part masks the pairs an earlier
 one holds. Inside every part the exact rule ``pattern.allows(i, j)`` (and
-segment ids for padding/packing) masks the entries, so the result equals the
-dense masked reference for any pattern, union or intersection (tests compare
-values and gradients). Lengths that are not a multiple of the block size are
-padded and masked internally.
+segment ids for padding/packing) masks the entries, so the result equals
+dense attention under the pattern's mask for any pattern, union or
+intersection (tests compare values and gradients with a dense oracle).
+Lengths that are not a multiple of the block size are padded and masked
+internally. The parts share their inputs through one frozen :class:`Problem`;
+the softmax arithmetic is :mod:`~flaxformer_lite.sparse.online_softmax`.
 
 Arrays follow the core: ``[batch, length, heads, head_dim]``. Segment ids
 ``[batch, length]``: a query attends only keys of the same segment, and id 0
@@ -37,6 +39,7 @@ dense core.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -44,10 +47,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from flaxformer_lite.sparse.online_softmax import (
+    Partial,
+    merge,
+    normalise,
+    pad_to,
+    partial_softmax,
+    segment_mask,
+)
 from flaxformer_lite.sparse.patterns import Pattern, Plans, num_blocks
-
-_NEG = -1e30  # stand-in for -inf in running maxima (keeps exp() finite)
-_FLOOR = -1e29  # least running max: exp(_NEG - _FLOOR) == 0
 
 
 def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -63,57 +71,29 @@ def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return table, valid
 
 
-def _pad_to(x: Array, length: int, axis: int) -> Array:
-    extra = length - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One head chunk's attention as every part of the cover reads it.
 
-
-class _Partial:
-    """Per-query partial softmax: max ``m`` [b,h,n], sum ``l`` [b,h,n], output ``o`` [b,h,n,v]."""
-
-    def __init__(self, m, l, o):
-        self.m, self.l, self.o = m, l, o
-
-
-def _softmax_part(scores: Array, mask: Array, values_fn) -> tuple[Array, Array, Array]:
-    """Masked partial softmax over the last axis; ``values_fn(p)`` contracts p with V.
-
-    Masked scores become ``_NEG`` and the running max is floored at ``_FLOOR``,
-    so ``exp(_NEG - m)`` is exactly 0 even in a fully masked row (whose ``l``
-    is then 0): one select instead of two, over the largest arrays of the kernel.
+    ``q`` (already scaled), ``k``, ``v``: ``[b, h, n, d]`` in the compute dtype;
+    ``plans``: the pattern's cover at this length and ``block``; ``is_column``:
+    ``[n]`` bool, the key positions the column part holds (the later parts skip
+    them); ``seg_q``, ``seg_k``: ``[b, n]`` segment ids or None.
     """
-    scores = jnp.where(mask, scores, _NEG)
-    m = lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1), _FLOOR))
-    p = jnp.exp(scores - m[..., None])
-    return m, p.sum(-1), values_fn(p)
 
+    q: Array
+    k: Array
+    v: Array
+    pattern: Pattern
+    plans: Plans
+    block: int
+    is_column: np.ndarray
+    seg_q: Array | None = None
+    seg_k: Array | None = None
 
-def _normalise(o: Array, l: Array) -> Array:
-    """``o / l`` per query; queries with nothing to attend (``l == 0``) output zeros."""
-    return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-
-
-def _merge(parts: list[_Partial]) -> Array:
-    m = parts[0].m
-    for p in parts[1:]:
-        m = jnp.maximum(m, p.m)
-    l = 0.0
-    o = 0.0
-    for p in parts:
-        w = jnp.exp(p.m - m)
-        l = l + p.l * w
-        o = o + p.o * w[..., None]
-    return _normalise(o, l)
-
-
-def _segment_ok(seg_q: Array | None, seg_k: Array | None) -> Array | None:
-    if seg_q is None:
-        return None
-    return (seg_q == seg_k) & (seg_k != 0)
+    @property
+    def n(self) -> int:
+        return self.q.shape[2]
 
 
 def sparse_attention(
@@ -183,55 +163,37 @@ def sparse_attention(
 
     is_column = np.zeros(n, bool)
     is_column[plans.columns] = True
-    parts: list[_Partial] = []
+    problem = Problem(q, k, v, pattern, plans, block_size, is_column, q_segments, kv_segments)
+    parts: list[Partial] = []
     if plans.columns.size:
-        parts.append(_columns_part(q, k, v, pattern, plans.columns, n, q_segments, kv_segments))
+        parts.append(_columns_part(problem))
     if plans.block_mask is not None:
-        parts.append(
-            _blocks_part(
-                q,
-                k,
-                v,
-                pattern,
-                plans,
-                block_size,
-                n,
-                is_column,
-                q_segments,
-                kv_segments,
-                scan_blocks,
-            )  # fmt: skip
-        )
+        parts.append(_blocks_part(problem, scan_blocks))
     for index, stride in enumerate(plans.strides):
-        parts.append(
-            _stride_part(
-                q, k, v, pattern, plans, stride, plans.strides[:index], block_size, n,
-                is_column, q_segments, kv_segments,
-            )
-        )  # fmt: skip
+        parts.append(_stride_part(problem, stride, earlier=plans.strides[:index]))
     if not parts:
         out = jnp.zeros((b, h, n, value.shape[-1]), compute)
     else:
-        out = _merge(parts)
+        out = merge(parts)
     if plans.rows.size:
-        out = out.at[:, :, plans.rows].set(
-            _rows_dense(q, k, v, pattern, plans.rows, n, q_segments, kv_segments)
-        )
+        out = out.at[:, :, plans.rows].set(_rows_dense(problem))
     return jnp.swapaxes(out, 1, 2).astype(out_dtype)
 
 
-def _columns_part(q, k, v, pattern, columns, n, seg_q, seg_k) -> _Partial:
-    cols = jnp.asarray(columns)
-    kc, vc = k[:, :, cols], v[:, :, cols]  # [b, h, g, d]
-    scores = jnp.einsum("bhnd,bhgd->bhng", q, kc)
-    mask = pattern.allows(jnp.arange(n)[:, None], cols[None, :], n)[None, None]
-    seg = _segment_ok(
+def _columns_part(p: Problem) -> Partial:
+    """Every query against the fixed key positions ``plans.columns``: ``n * g``."""
+    n, seg_q, seg_k = p.n, p.seg_q, p.seg_k
+    cols = jnp.asarray(p.plans.columns)
+    kc, vc = p.k[:, :, cols], p.v[:, :, cols]  # [b, h, g, d]
+    scores = jnp.einsum("bhnd,bhgd->bhng", p.q, kc)
+    mask = p.pattern.allows(jnp.arange(n)[:, None], cols[None, :], n)[None, None]
+    seg = segment_mask(
         None if seg_q is None else seg_q[:, :, None],
         None if seg_k is None else seg_k[:, cols][:, None, :],
     )
     if seg is not None:
         mask = mask & seg[:, None]
-    return _Partial(*_softmax_part(scores, mask, lambda p: jnp.einsum("bhng,bhgv->bhnv", p, vc)))
+    return partial_softmax(scores, mask, lambda w: jnp.einsum("bhng,bhgv->bhnv", w, vc))
 
 
 def block_diagonals(block_mask: np.ndarray, min_fill: float = 0.75) -> tuple[list[int], np.ndarray]:
@@ -279,22 +241,23 @@ def _block_cover(plans: Plans, nb: int) -> tuple[list[int], np.ndarray, np.ndarr
     return offsets, np.concatenate(tables, 1), np.concatenate(valids, 1)
 
 
-def _blocks_part(
-    q, k, v, pattern, plans: Plans, B, n, is_column, seg_q, seg_k, scan_blocks=None
-) -> _Partial:
+def _blocks_part(p: Problem, scan_blocks: int | None = None) -> Partial:
+    """Query blocks against the key blocks the block mask lists for them: ``n * S * B``."""
+    q, k, v, pattern, plans, B, n = p.q, p.k, p.v, p.pattern, p.plans, p.block, p.n
+    is_column, seg_q, seg_k = p.is_column, p.seg_q, p.seg_k
     b, h, _, d = q.shape
     dv = v.shape[-1]
     nb = num_blocks(n, B)
     npad = nb * B
-    qb = _pad_to(q, npad, 2).reshape(b, h, nb, B, d)
-    kb = _pad_to(k, npad, 2).reshape(b, h, nb, B, d)
-    vb = _pad_to(v, npad, 2).reshape(b, h, nb, B, dv)
+    qb = pad_to(q, npad, 2).reshape(b, h, nb, B, d)
+    kb = pad_to(k, npad, 2).reshape(b, h, nb, B, d)
+    vb = pad_to(v, npad, 2).reshape(b, h, nb, B, dv)
     offsets, table, valid = _block_cover(plans, nb)
     S = table.shape[1]
     sq = sk = None
     if seg_q is not None:
-        sq = _pad_to(seg_q, npad, 1).reshape(b, nb, B)
-        sk = _pad_to(seg_k, npad, 1).reshape(b, nb, B)
+        sq = pad_to(seg_q, npad, 1).reshape(b, nb, B)
+        sk = pad_to(seg_k, npad, 1).reshape(b, nb, B)
     has_columns = bool(is_column.any())
 
     def rows_of(qb_g, rows, tbl, ok_blocks, kg, vg, sq_g):
@@ -315,8 +278,9 @@ def _blocks_part(
         mask = xp.asarray(mask)[None, None]
         if sq_g is not None:
             sk_g = sk[:, tbl].reshape(b, g, 1, S * B)
-            mask = mask & _segment_ok(sq_g[..., None], sk_g)[:, None]
-        return _softmax_part(scores, mask, lambda p: jnp.einsum("bhxqk,bhxkv->bhxqv", p, vg))
+            mask = mask & segment_mask(sq_g[..., None], sk_g)[:, None]
+        part = partial_softmax(scores, mask, lambda w: jnp.einsum("bhxqk,bhxkv->bhxqv", w, vg))
+        return part.m, part.l, part.o
 
     if scan_blocks is None or scan_blocks >= nb:
         kg, vg = _read_blocks(kb, table, offsets), _read_blocks(vb, table, offsets)
@@ -349,7 +313,7 @@ def _blocks_part(
             jnp.moveaxis(x, 0, 2).reshape(b, h, groups * scan_blocks * B, *x.shape[5:])[:, :, :npad]
             for x in lax.map(one_group, xs)
         )
-    return _Partial(
+    return Partial(
         m.reshape(b, h, npad)[:, :, :n],
         l.reshape(b, h, npad)[:, :, :n],
         o.reshape(b, h, npad, -1)[:, :, :n],
@@ -370,15 +334,17 @@ def _read_blocks(xb: Array, tbl: Array, offsets: list[int]) -> Array:
     return jnp.concatenate(parts, 3) if len(parts) > 1 else parts[0]
 
 
-def _stride_part(
-    q, k, v, pattern, plans: Plans, s, earlier, B, n, is_column, seg_q, seg_k
-) -> _Partial:
+def _stride_part(p: Problem, s: int, earlier: tuple[int, ...] = ()) -> Partial:
+    """Every ``s``-th key, regrouped by residue ``i % s`` into dense ``n/s x n/s`` blocks;
+    pairs the earlier parts (columns, blocks, the ``earlier`` strides) hold are masked."""
+    q, k, v, pattern, plans, B, n = p.q, p.k, p.v, p.pattern, p.plans, p.block, p.n
+    is_column, seg_q, seg_k = p.is_column, p.seg_q, p.seg_k
     b, h, _, d = q.shape
     T = -(-n // s)
     npad = T * s
 
     def regroup(x):  # [b, h, n, e] -> [b, h, s, T, e]: row r holds positions r, r+s, ...
-        return jnp.swapaxes(_pad_to(x, npad, 2).reshape(b, h, T, s, x.shape[-1]), 2, 3)
+        return jnp.swapaxes(pad_to(x, npad, 2).reshape(b, h, T, s, x.shape[-1]), 2, 3)
 
     qr, kr, vr = regroup(q), regroup(k), regroup(v)
     scores = jnp.einsum("bhrtd,bhrud->bhrtu", qr, kr)  # [b, h, s, T, T]
@@ -395,49 +361,25 @@ def _stride_part(
         mask = mask & ((i - j) % t != 0)
     mask = mask[None, None]
     if seg_q is not None:
-        sr = jnp.swapaxes(_pad_to(seg_q, npad, 1).reshape(b, T, s), 1, 2)  # [b, s, T]
-        kr_seg = jnp.swapaxes(_pad_to(seg_k, npad, 1).reshape(b, T, s), 1, 2)
-        mask = mask & _segment_ok(sr[..., None], kr_seg[:, :, None, :])[:, None]
-    m, l, o = _softmax_part(scores, mask, lambda p: jnp.einsum("bhrtu,bhrue->bhrte", p, vr))
+        sr = jnp.swapaxes(pad_to(seg_q, npad, 1).reshape(b, T, s), 1, 2)  # [b, s, T]
+        kr_seg = jnp.swapaxes(pad_to(seg_k, npad, 1).reshape(b, T, s), 1, 2)
+        mask = mask & segment_mask(sr[..., None], kr_seg[:, :, None, :])[:, None]
+    part = partial_softmax(scores, mask, lambda w: jnp.einsum("bhrtu,bhrue->bhrte", w, vr))
 
     def ungroup(x):  # [b, h, s, T, ...] -> [b, h, n, ...]
         x = jnp.swapaxes(x, 2, 3)
         return x.reshape(b, h, npad, *x.shape[4:])[:, :, :n]
 
-    return _Partial(ungroup(m), ungroup(l), ungroup(o))
+    return Partial(ungroup(part.m), ungroup(part.l), ungroup(part.o))
 
 
-def _rows_dense(q, k, v, pattern, rows, n, seg_q, seg_k) -> Array:
-    r = jnp.asarray(rows)
+def _rows_dense(p: Problem) -> Array:
+    """Normalised outputs of the global queries ``plans.rows`` against all keys: ``g * n``."""
+    q, k, v, pattern, n, seg_q, seg_k = p.q, p.k, p.v, p.pattern, p.n, p.seg_q, p.seg_k
+    r = jnp.asarray(p.plans.rows)
     scores = jnp.einsum("bhgd,bhnd->bhgn", q[:, :, r], k)
     mask = pattern.allows(r[:, None], jnp.arange(n)[None, :], n)[None, None]
     if seg_q is not None:
-        mask = mask & _segment_ok(seg_q[:, r][:, :, None], seg_k[:, None, :])[:, None]
-    m, l, o = _softmax_part(scores, mask, lambda p: jnp.einsum("bhgn,bhnv->bhgv", p, v))
-    return _normalise(o, l)
-
-
-# -- the reference ------------------------------------------------------------------------
-
-
-def reference_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    pattern: Pattern,
-    *,
-    q_segments: Array | None = None,
-    kv_segments: Array | None = None,
-    scale: float | None = None,
-) -> Array:
-    """The same attention from the dense ``[n, n]`` mask and the dense core (tests, small n)."""
-    from flaxformer_lite.components.attention import dot_product_attention
-
-    n, d = query.shape[1], query.shape[-1]
-    mask = jnp.asarray(pattern.mask(n))[None, None]
-    if q_segments is not None:
-        mask = mask & _segment_ok(q_segments[:, :, None], kv_segments[:, None, :])[:, None]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return dot_product_attention(
-        query, key, value, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    )
+        mask = mask & segment_mask(seg_q[:, r][:, :, None], seg_k[:, None, :])[:, None]
+    part = partial_softmax(scores, mask, lambda w: jnp.einsum("bhgn,bhnv->bhgv", w, v))
+    return normalise(part.o, part.l)

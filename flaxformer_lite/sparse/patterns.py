@@ -393,6 +393,8 @@ def _coarse_block_mask(pattern: Pattern, n: int, block: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Union(Pattern):
+    """Pairs allowed by any part; its cover is the union of the parts' covers."""
+
     parts: tuple[Pattern, ...] = ()
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.sparse.blocked import _normalise, _pad_to, _segment_ok, _softmax_part
+from flaxformer_lite.sparse.online_softmax import normalise, pad_to, partial_softmax, segment_mask
 from flaxformer_lite.sparse.patterns import num_blocks
 
 
@@ -40,11 +40,11 @@ def topk_attention(
     b, n, h, d = query.shape
     nb = num_blocks(n, query_block)
     npad = nb * query_block
-    q = _pad_to(jnp.swapaxes(query, 1, 2), npad, 2).reshape(b, h, nb, query_block, d)
+    q = pad_to(jnp.swapaxes(query, 1, 2), npad, 2).reshape(b, h, nb, query_block, d)
     q = jnp.moveaxis(q, 2, 0) / math.sqrt(d)  # [nb, b, h, B, d]
     k = jnp.swapaxes(key, 1, 2)
     v = jnp.swapaxes(value, 1, 2)
-    sq = None if q_segments is None else _pad_to(q_segments, npad, 1).reshape(b, nb, query_block)
+    sq = None if q_segments is None else pad_to(q_segments, npad, 1).reshape(b, nb, query_block)
     kk = min(top_k, n)
 
     def one_block(args):
@@ -55,26 +55,14 @@ def topk_attention(
         mask = (j <= i) if causal else jnp.ones((query_block, n), bool)
         mask = mask[None, None]
         if sq is not None:
-            seg = _segment_ok(sq[:, a][:, :, None], kv_segments[:, None, :])
+            seg = segment_mask(sq[:, a][:, :, None], kv_segments[:, None, :])
             mask = mask & seg[:, None]
         masked = jnp.where(mask, scores, -jnp.inf)
         kth = lax.stop_gradient(lax.top_k(masked, kk)[0][..., -1:])
         keep = mask & (masked >= kth)
-        m, l, o = _softmax_part(scores, keep, lambda p: jnp.einsum("bhqk,bhkv->bhqv", p, v))
-        return _normalise(o, l)
+        part = partial_softmax(scores, keep, lambda p: jnp.einsum("bhqk,bhkv->bhqv", p, v))
+        return normalise(part.o, part.l)
 
     out = lax.map(one_block, (jnp.arange(nb), q))  # [nb, b, h, B, v]
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, npad, -1)[:, :, :n]
     return jnp.swapaxes(out, 1, 2).astype(query.dtype)
-
-
-def topk_reference(query, key, value, top_k, *, causal=False):
-    """Dense top-k (``n x n`` scores) for tests."""
-    n, d = query.shape[1], query.shape[-1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((n, n), bool)) if causal else jnp.ones((n, n), bool)
-    masked = jnp.where(mask, scores, -jnp.inf)
-    kth = lax.top_k(masked, min(top_k, n))[0][..., -1:]
-    keep = mask & (masked >= kth)
-    w = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhv->bqhv", w, value)

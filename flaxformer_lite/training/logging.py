@@ -18,6 +18,9 @@ def _format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
+    """Writes measurements to ``metrics.jsonl`` and TensorBoard event files in the
+    workdir, and a progress line to the console (only where ``enabled``: process 0)."""
+
     def __init__(
         self,
         workdir: str | Path,

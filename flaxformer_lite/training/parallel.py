@@ -25,6 +25,9 @@ AXIS = "data"
 
 
 class DataParallel:
+    """Compiles steps for ``jit`` over a 1-D ``data`` mesh or for ``pmap``, and moves
+    states, batches and metrics to and from the devices accordingly."""
+
     def __init__(self, kind: str = "jit", devices=None):
         if kind not in ("jit", "pmap"):
             raise ValueError(f"parallelism {kind!r}; choose jit or pmap")

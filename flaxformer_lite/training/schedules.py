@@ -22,7 +22,7 @@ import math
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("noam", "warmup_cosine", "constant")
+from flaxformer_lite.experiment import SCHEDULES, OptimizerConfig
 
 
 def noam(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
@@ -101,7 +101,7 @@ def cooldown_factor(
     return min(max(left, 0.0), 1.0)
 
 
-def make_schedule(opt, d_model: int, total_steps: int) -> optax.Schedule:
+def make_schedule(opt: OptimizerConfig, d_model: int, total_steps: int) -> optax.Schedule:
     """The schedule named by ``opt.schedule`` (an ``optimizer`` config section),
     with its ``cooldown_steps`` if any."""
     if opt.schedule == "noam":
@@ -114,4 +114,4 @@ def make_schedule(opt, d_model: int, total_steps: int) -> optax.Schedule:
         raise ValueError(
             f"optimizer.schedule={opt.schedule!r}; choose one of {', '.join(SCHEDULES)}"
         )
-    return with_cooldown(schedule, total_steps, opt.get("cooldown_steps", 0))
+    return with_cooldown(schedule, total_steps, opt.cooldown_steps)

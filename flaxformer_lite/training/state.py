@@ -16,26 +16,26 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flaxformer_lite.architectures.lm import LanguageModel
-from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.architectures import LanguageModel, build_model
 from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.experiment import ExperimentConfig, OptimizerConfig
 from flaxformer_lite.training.schedules import make_schedule
 
 
 @flax.struct.dataclass
 class TrainState:
+    """What a training checkpoint holds: step, parameters, optimizer state, dropout key."""
+
     step: jax.Array  # int32 scalar: updates applied so far (micro-steps with accumulation)
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32 key data
 
 
-def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Module:
-    """The encoder-decoder for ``translation``, the decoder-only LM for ``lm``."""
-    return LanguageModel(model_config) if task == "lm" else Transformer(model_config)
-
-
 class ParamsEMAState(NamedTuple):
+    """Stored in checkpoints as a ``{count, ema}`` node, which is how
+    :func:`flaxformer_lite.run.find_params_ema` finds the average without the optimizer."""
+
     count: jax.Array  # updates averaged so far
     ema: Any  # the bias-corrected moving average of the parameters (float32)
 
@@ -116,7 +116,7 @@ def _embedding_tables(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: is_token_embedding(path), params)
 
 
-def make_optimizer(opt, model: ModelConfig, total_steps: int):
+def make_optimizer(opt: OptimizerConfig, model: ModelConfig, total_steps: int):
     """(optax transformation, schedule) from an ``optimizer`` config section.
 
     Adam(b1, b2, eps) with the schedule (AdamW if ``weight_decay`` > 0),
@@ -136,12 +136,11 @@ def make_optimizer(opt, model: ModelConfig, total_steps: int):
     tx = adam
     if opt.clip_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), adam)
-    embedding_scale = opt.get("embedding_lr_scale", 1.0)
-    if embedding_scale != 1.0:
-        tx = optax.chain(tx, optax.masked(optax.scale(embedding_scale), _embedding_tables))
-    if opt.get("cooldown_fraction", 0.0) > 0:
+    if opt.embedding_lr_scale != 1.0:
+        tx = optax.chain(tx, optax.masked(optax.scale(opt.embedding_lr_scale), _embedding_tables))
+    if opt.cooldown_fraction > 0:
         tx = optax.chain(tx, scale_by_lr_factor())
-    if opt.get("ema_decay", 0.0) > 0:
+    if opt.ema_decay > 0:
         tx = optax.chain(tx, params_ema(opt.ema_decay))
     if opt.grad_accum_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=opt.grad_accum_steps)
@@ -166,3 +165,14 @@ def create_train_state(
 
 def parameter_count(params) -> int:
     return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+def abstract_train_state(config) -> TrainState:
+    """Shapes/dtypes of the TrainState of an experiment config, nothing allocated
+    (for restoring a whole training checkpoint)."""
+    config = ExperimentConfig.from_config(config)
+    tx, _ = make_optimizer(config.optimizer, config.model, config.train.num_steps)
+    model = build_model(config.model, config.data.task)
+    return jax.eval_shape(
+        lambda: create_train_state(model, tx, config.train.seed, config.data.max_length)
+    )

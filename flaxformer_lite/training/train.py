@@ -8,8 +8,6 @@ dropout randomness) after checking that the workdir holds the same model.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -19,21 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.data import cooccurrence, pipeline
-from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
+from flaxformer_lite.architectures import build_model
+from flaxformer_lite.data import assembly, pipeline
+from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.evaluation import corpus_scores
-from flaxformer_lite.experiment import (
-    BEST_METRICS,
-    parse_train_splits,
-    validate_experiment,
-    with_added_fields,
-)
+from flaxformer_lite.experiment import BEST_METRICS, ExperimentConfig
+from flaxformer_lite.run import read_config
 from flaxformer_lite.training import flops, losses, schedules
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import DataParallel
 from flaxformer_lite.training.state import (
     TrainState,
-    build_model,
     create_train_state,
     evaluation_params,
     is_token_embedding,
@@ -48,116 +42,6 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message names the cause and the fix."""
 
 
-@dataclasses.dataclass
-class TranslationData:
-    tokenizer: Tokenizer
-    train: list[dict[str, np.ndarray]]
-    validation: list[dict[str, np.ndarray]]
-    stats: dict[str, pipeline.PipelineStats]
-    validation_texts: list[tuple[str, ...]]  # for BLEU during training
-    train_texts: list[tuple[str, ...]] | None = None  # of ``train``; for subword sampling
-    # data.resample_subsets: (pool of examples, how many of it each epoch draws); the
-    # epoch's examples are ``train`` plus those draws (pipeline.SubsetSampler)
-    train_pools: list[tuple[list[dict[str, np.ndarray]], int]] = dataclasses.field(
-        default_factory=list
-    )
-
-    def sampler(self, seed: int) -> pipeline.SubsetSampler | None:
-        return (
-            pipeline.SubsetSampler(self.train, self.train_pools, seed) if self.train_pools else None
-        )
-
-
-def _features(d) -> tuple[str, ...]:
-    """Translation reads (source, target) pairs; a language model reads the target text."""
-    return (d.source_lang, d.target_lang) if d.task == "translation" else (d.target_lang,)
-
-
-def prepare_data(config, workdir: Path) -> TranslationData:
-    """Text splits -> the workdir's tokenizer (trained on train splits once) -> token ids."""
-    d = config.data
-    features = _features(d)
-    train_pairs: list[tuple[str, ...]] = []
-    reversed_pairs: list[tuple[str, str]] = []  # data.reverse_tag: target -> source, tagged
-    pool_pairs: list[tuple[list, list, int]] = []  # resample_subsets: (fwd, rev, per epoch)
-    counts = None  # word counts of the first split, per feature (for aux_min_count)
-    splits = parse_train_splits(d.train_splits)
-    for i, (name, limit) in enumerate(splits):
-        texts = pipeline.load_texts(d.dataset, name, features, d.data_dir)
-        if i == 0:
-            counts = pipeline.word_counts(texts) if d.aux_min_count else None
-        elif counts is not None:
-            before = len(texts)
-            texts = pipeline.known_word_pairs(texts, counts, d.aux_min_count)
-            print(
-                f"{name}: kept {len(texts)} of {before} pairs whose words all occur >= "
-                f"{d.aux_min_count}x in {splits[0][0]}"
-            )
-        draw = d.resample_subsets and i > 0 and limit is not None and limit < len(texts)
-        if not draw:
-            texts = pipeline.fixed_subset(texts, limit)
-        # The source says where the pair comes from (aux_tag) and which way it goes.
-        aux = f"{d.aux_tag} " if i > 0 and d.aux_tag else ""
-        forward = [(aux + t[0], *t[1:]) for t in texts]
-        backward = (
-            [(f"{d.reverse_tag} {aux}{tgt}", src) for src, tgt in texts] if d.reverse_tag else []
-        )
-        if draw:  # all of them; each epoch draws `limit` (of each direction on its own)
-            pool_pairs.append((forward, backward, limit))
-        else:
-            train_pairs += forward
-            reversed_pairs += backward
-    eval_pairs = pipeline.load_texts(d.dataset, d.eval_split, features, d.data_dir)
-
-    # The tokenizer learns from one direction: the fixed pairs and every pool pair.
-    tokenizer_pairs = train_pairs + [pair for forward, _, _ in pool_pairs for pair in forward]
-
-    def sentences():
-        rng = np.random.default_rng(0)
-        order = rng.permutation(len(tokenizer_pairs))[: d.tokenizer_max_sentences // len(features)]
-        for i in order:
-            yield from tokenizer_pairs[i]
-
-    tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
-    tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
-    train_pairs += reversed_pairs  # after the tokenizer, which learns from one direction
-    train_texts: list | None = [] if d.subword_alpha and not d.stream else None
-    if d.stream:  # one running text per split (in corpus order), cut into full rows
-        train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
-        validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
-    else:
-        train, train_stats = pipeline.tokenize_pairs(
-            train_pairs, tokenizer, d.max_length, d.too_long, kept_texts=train_texts
-        )
-        validation, eval_stats = pipeline.tokenize_pairs(
-            eval_pairs, tokenizer, d.max_length, "truncate"
-        )
-    pools = []
-    for pairs, count in [(p, n) for fwd, bwd, n in pool_pairs for p in (fwd, bwd) if p]:
-        pool, stats = pipeline.tokenize_pairs(pairs, tokenizer, d.max_length, d.too_long)
-        train_stats = pipeline.PipelineStats(
-            *(
-                a + b
-                for a, b in zip(
-                    dataclasses.astuple(train_stats), dataclasses.astuple(stats), strict=True
-                )
-            )
-        )
-        if len(pool) > count:
-            pools.append((pool, count))
-        else:  # fewer left than drawn (too-long pairs dropped): all of them, every epoch
-            train += pool
-    return TranslationData(
-        tokenizer,
-        train,
-        validation,
-        {"train": train_stats, "validation": eval_stats},
-        eval_pairs,
-        train_texts,
-        pools,
-    )
-
-
 def _check_workdir(config, workdir: Path) -> None:
     """Writable, and holding no other model's run (a clear error, never a shape crash)."""
     try:
@@ -169,11 +53,10 @@ def _check_workdir(config, workdir: Path) -> None:
         raise TrainingError(
             f"cannot write to --workdir={workdir} ({e.strerror}); choose a writable folder"
         ) from e
-    previous = ckpt_lib.read_config(workdir)
+    previous = read_config(workdir)
     if previous is None:
         return
-    previous = with_added_fields(previous)
-    current = json.loads(config.to_json())
+    previous, current = previous.to_dict(), config.to_dict()
     for section in ("model", "data"):
         old, new = previous.get(section, {}), current.get(section, {})
         differ = sorted(
@@ -219,9 +102,13 @@ def _evaluate(p_eval, par: DataParallel, state, batches) -> dict[str, float]:
 def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     """Train ``config`` in ``workdir`` (resuming if it holds a checkpoint).
 
-    Returns the final validation metrics (loss, nll, perplexity, accuracy).
+    Returns the final validation metrics (loss, nll, perplexity, accuracy, and bleu
+    where measured) with ``step`` (the step the run stopped at), ``trained_steps``
+    (steps taken by this call: 0 when a finished run is re-run) and ``budget_reached``
+    (1.0 when ``train.max_minutes`` stopped it before ``train.num_steps``, else 0.0).
     """
-    model_config = validate_experiment(config)  # before any data is read
+    config = ExperimentConfig.from_config(config)  # checked before any data is read
+    model_config = config.model
     wall_start = time.perf_counter()
     workdir = Path(workdir)
     _check_workdir(config, workdir)
@@ -238,9 +125,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         raise TrainingError(f"train.batch_size={t.batch_size} must divide among processes")
     is_chief = jax.process_index() == 0
     if is_chief:
-        ckpt_lib.write_config(workdir, config.to_json(indent=2))
+        ckpt_lib.write_config(workdir, config.to_json())
 
-    data = prepare_data(config, workdir)
+    data = assembly.prepare_data(config, workdir)
     if data.tokenizer.vocab_size != model_config.vocab_size:
         raise TrainingError(
             f"the tokenizer in {workdir} has {data.tokenizer.vocab_size} pieces but "
@@ -427,23 +314,19 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         f"validation loss {final['loss']:.4f}, accuracy {final['accuracy']:.4f}, "
         f"perplexity {final['perplexity']:.2f}; checkpoints in {workdir}"
     )
-    return final
+    return {
+        **final,
+        "step": stopped,
+        "trained_steps": stopped - start,
+        "budget_reached": float(stopped < t.num_steps),
+    }
 
 
 def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
-    """``params`` with every ``[vocab, d_model]`` embedding table replaced by PPMI
-    co-occurrence vectors of the pairs of ``train.embedding_init_splits``."""
-    d, t = config.data, config.train
-    started = time.perf_counter()
-    features = _features(d)
-    documents = []
-    for name, limit in parse_train_splits(t.embedding_init_splits or d.train_splits):
-        texts = pipeline.load_texts(d.dataset, name, features, d.data_dir)
-        texts = pipeline.fixed_subset(texts, limit)
-        pieces = [tokenizer.sp.encode(list(column)) for column in zip(*texts, strict=True)]
-        documents += [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
+    """``params`` with every ``[vocab, d_model]`` token embedding table replaced by the
+    PPMI co-occurrence vectors of :func:`~flaxformer_lite.data.assembly.ppmi_table`."""
     vocab, dim = config.model.vocab_size, config.model.d_model
-    table, covered = cooccurrence.ppmi_embeddings(documents, vocab, dim, seed=t.seed)
+    table = assembly.ppmi_table(config, tokenizer)
     replaced = []
 
     def replace(path, leaf):
@@ -453,14 +336,11 @@ def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
         return leaf
 
     params = jax.tree_util.tree_map_with_path(replace, params)
-    print(
-        f"embeddings: PPMI vectors for {covered} of {vocab} pieces from {len(documents)} "
-        f"pairs in {time.perf_counter() - started:.0f} s ({', '.join(replaced) or 'no table'})"
-    )
+    print(f"embeddings: PPMI vectors in {', '.join(replaced) or 'no table'}")
     return params
 
 
-def _validation_bleu(config, model, params, data: TranslationData) -> float | None:
+def _validation_bleu(config, model, params, data: assembly.TrainingData) -> float | None:
     """Greedy BLEU on the first ``train.eval_bleu_sentences`` validation sentences."""
     n = config.train.eval_bleu_sentences
     if not n or config.data.task != "translation":
@@ -482,4 +362,4 @@ def _check_finite(m: dict[str, float], step: int, checkpoints, window: int) -> N
         )
 
 
-__all__ = ["TrainState", "TrainingError", "prepare_data", "train_and_evaluate"]
+__all__ = ["TrainState", "TrainingError", "train_and_evaluate"]

@@ -1,0 +1,167 @@
+"""The import graph: imports point down the layers, and none hides inside a function.
+
+The layers, bottom to top (a module may import its own layer and those below):
+
+  0  sections, config, experiment, checkpoints, data/, sparse/   (no models)
+  1  components/                                        (building blocks)
+  2  architectures/                                     (whole models)
+  3  decoding, run                                      (search; a run folder, read-only)
+  4  translate                                          (Translator)
+  5  evaluation, average                                (BLEU on a split; averaging)
+  6  training/                                          (the loop and its parts)
+  7  main                                               (the command line)
+
+The README's architecture section shows the same table; ``test_readme_map_lists_every_module``
+keeps the two in step.
+"""
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "flaxformer_lite"
+
+LAYERS = {
+    "sections": 0,
+    "config": 0,
+    "experiment": 0,
+    "checkpoints": 0,
+    "data": 0,
+    "sparse": 0,
+    "components": 1,
+    "architectures": 2,
+    "decoding": 3,
+    "run": 3,
+    "translate": 4,
+    "evaluation": 5,
+    "average": 5,
+    "training": 6,
+    "main": 7,
+}
+# main.py defers its imports into the command it runs, so `--help` and a config error
+# answer before JAX loads; everywhere else an import inside a function hides an edge.
+DEFERRED_IMPORTS_ALLOWED = {"main"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts == ("__init__",):
+            continue  # the package's public names, gathered from every layer
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _layer(module: str) -> int:
+    return LAYERS[module.split(".")[0]]
+
+
+def _project_imports(path: pathlib.Path):
+    """(imported module relative to the package, line, inside a function?) of a file."""
+    tree = ast.parse(path.read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    nested = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name == "flaxformer_lite" or not name.startswith("flaxformer_lite."):
+                continue
+            relative = name.removeprefix("flaxformer_lite.")
+            if relative.split(".")[0] in LAYERS:
+                yield relative, node.lineno, id(node) in nested
+
+
+def _edges():
+    modules = _modules()
+    for module, path in modules.items():
+        for target, line, deferred in _project_imports(path):
+            # `from flaxformer_lite.data import sources` names a module; keep the
+            # longest prefix that is one.
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            yield module, target, line, deferred
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in _modules() if m.split(".")[0] not in LAYERS)
+    assert not missing, f"give these modules a layer in LAYERS: {missing}"
+
+
+def test_imports_point_down():
+    upward = [
+        f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)}), line {line}"
+        for module, target, line, _ in _edges()
+        if _layer(target) > _layer(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_project_import_inside_a_function():
+    hidden = [
+        f"{module} line {line}: {target}"
+        for module, target, line, deferred in _edges()
+        if deferred and module.split(".")[0] not in DEFERRED_IMPORTS_ALLOWED
+    ]
+    assert not hidden, "\n".join(hidden)
+
+
+@pytest.mark.parametrize(
+    "low,high",
+    [("components", "architectures"), ("components", "training"), ("run", "training")],
+)
+def test_named_boundaries(low, high):
+    """The boundaries the README promises, spelled out."""
+    crossing = [
+        (m, t) for m, t, _, _ in _edges() if m.split(".")[0] == low and t.split(".")[0] == high
+    ]
+    assert not crossing
+
+
+def test_inference_does_not_import_training():
+    inference = {"run", "translate", "evaluation", "average", "decoding"}
+    crossing = [
+        (m, t) for m, t, _, _ in _edges() if m in inference and t.split(".")[0] == "training"
+    ]
+    assert not crossing
+
+
+def test_readme_map_lists_every_module():
+    """Every module file appears in the README's architecture map, and every file
+    the map names exists."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Architecture") :]
+    section = section[: section.index("\n## ", 1)]
+    files = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    files -= {f for f in files if f.endswith("__init__.py")}
+    missing = sorted(f for f in files if pathlib.PurePosixPath(f).name not in section)
+    assert not missing, f"the README's architecture map does not mention {missing}"
+    block = section[section.index("```") : section.index("```", section.index("```") + 3)]
+    named = set(re.findall(r"\b(\w+\.py)\b", block))
+    existing = {pathlib.PurePosixPath(f).name for f in files}
+    existing |= {p.name for d in ("benchmarks", "tests") for p in (ROOT / d).glob("*.py")}
+    stale = sorted(named - existing)
+    assert not stale, f"the README's architecture map names files that do not exist: {stale}"
+
+
+def test_every_module_and_public_class_has_a_docstring():
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        name = path.relative_to(PACKAGE).as_posix()
+        if not ast.get_docstring(tree):
+            missing.append(name)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                if not ast.get_docstring(node):
+                    missing.append(f"{name}: {node.name}")
+    assert not missing, f"no docstring: {missing}"

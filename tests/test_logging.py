@@ -1,0 +1,65 @@
+"""MetricsLogger: what lands in metrics.jsonl and the TensorBoard event file."""
+
+import json
+import math
+import struct
+
+from tensorboardX.proto import event_pb2
+
+from flaxformer_lite.training.logging import MetricsLogger, _format_duration
+
+
+def _scalars(workdir) -> dict[tuple[str, int], float]:
+    """(tag, step) -> value of every scalar in the run's TensorBoard event files
+    (TFRecord framing: length, its CRC, the Event proto, its CRC)."""
+    out = {}
+    for path in (workdir / "tensorboard").glob("events.out.tfevents.*"):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                out[(value.tag, event.step)] = value.simple_value
+    return out
+
+
+def test_records_go_to_jsonl_and_tensorboard(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=10)
+    logger.write(2, {"loss": 3.5, "accuracy": 0.25, "note": "text", "bad": math.nan})
+    logger.write(4, {"loss": 2.0}, prefix="validation")
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"], r["loss"]) for r in records] == [
+        (2, "train", 3.5),
+        (4, "validation", 2.0),
+    ]
+    assert records[0]["note"] == "text" and math.isnan(records[0]["bad"])
+    scalars = _scalars(tmp_path)
+    # Numbers only, and only finite ones, become scalars.
+    assert scalars == {("train/loss", 2): 3.5, ("train/accuracy", 2): 0.25,
+                       ("validation/loss", 4): 2.0}  # fmt: skip
+
+
+def test_a_resumed_run_appends(tmp_path):
+    for step in (1, 2):
+        logger = MetricsLogger(tmp_path, total_steps=2)
+        logger.write(step, {"loss": float(step)})
+        logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_a_disabled_logger_writes_nothing(tmp_path):
+    """Processes other than the first log nothing."""
+    logger = MetricsLogger(tmp_path, total_steps=5, enabled=False)
+    logger.write(1, {"loss": 1.0})
+    logger.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_durations():
+    assert _format_duration(59) == "0:59"
+    assert _format_duration(61) == "1:01"
+    assert _format_duration(3 * 3600 + 5) == "3:00:05"
+    assert _format_duration(-4) == "0:00"

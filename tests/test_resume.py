@@ -1,0 +1,205 @@
+"""The training loop's checkpoints: exact resume, averaging, budgets, the best and EMA
+checkpoints, and the stops (NaN, another model's workdir, an unwritable one)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite import experiment
+from flaxformer_lite.architectures import build_model
+from flaxformer_lite.average import average_workdir
+from flaxformer_lite.training import schedules
+from flaxformer_lite.training.state import (
+    abstract_train_state,
+    create_train_state,
+    evaluation_params,
+    make_optimizer,
+)
+from flaxformer_lite.training.train import (
+    TrainingError,
+    train_and_evaluate,
+)
+from flaxformer_lite.translate import Translator
+from tests.fixtures import debug_config
+
+
+def _last_params(workdir, config):
+    target = abstract_train_state(config).params
+    params, step = ckpt_lib.restore_params(workdir, target, kind="last")
+    return params, step
+
+
+def test_resume_is_exact(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    straight = tmp_path / "straight"
+    train_and_evaluate(debug_config(data_dir, num_steps=6, checkpoint_every=3), straight)
+    split = tmp_path / "split"
+    train_and_evaluate(debug_config(data_dir, num_steps=3, checkpoint_every=3), split)
+    metrics = train_and_evaluate(debug_config(data_dir, num_steps=6, checkpoint_every=3), split)
+    assert {"loss", "nll", "perplexity", "accuracy"} <= set(metrics)
+    a, step_a = _last_params(straight, debug_config(data_dir))
+    b, step_b = _last_params(split, debug_config(data_dir))
+    assert step_a == step_b == 6
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    # Averaging the last two checkpoints (3 and 6), of the moving average the run
+    # evaluated with (the default config keeps one).
+    average_workdir(split, 2)
+    avg, _ = ckpt_lib.restore_params(split, a, kind="averaged")
+    target = abstract_train_state(debug_config(data_dir))
+    state3, _ = ckpt_lib.Checkpoints(split).restore(target, 3)
+    state6, _ = ckpt_lib.Checkpoints(split).restore(target, 6)
+    assert debug_config(data_dir).optimizer.ema_decay > 0
+    mean = jax.tree.map(
+        lambda x, y: (np.asarray(x) + np.asarray(y)) / 2,
+        evaluation_params(state6),
+        evaluation_params(state3),
+    )
+    jax.tree.map(
+        lambda m, want: np.testing.assert_allclose(np.asarray(m), want, rtol=1e-6), avg, mean
+    )
+    # Averaging again with another count replaces the average (same last step).
+    average_workdir(split, 1)
+    again, _ = ckpt_lib.restore_params(split, a, kind="averaged")
+    jax.tree.map(
+        lambda m, want: np.testing.assert_allclose(np.asarray(m), np.asarray(want), rtol=1e-6),
+        again,
+        evaluation_params(state6),
+    )
+
+
+def _validation_steps(workdir) -> list[int]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if r["split"] == "validation"]
+
+
+def test_time_budget_stops_early_with_a_checkpoint_and_resumes(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    # A budget that has run out before the first step: one step is taken, then the run
+    # stops there, evaluated and checkpointed as if that step were the last.
+    config = debug_config(data_dir, num_steps=6, checkpoint_every=4, eval_every=4)
+    config.train.max_minutes = 1e-6
+    metrics = train_and_evaluate(config, tmp_path)
+    assert {"loss", "accuracy"} <= set(metrics)
+    assert (metrics["step"], metrics["trained_steps"], metrics["budget_reached"]) == (1, 1, 1.0)
+    assert _validation_steps(tmp_path) == [1]
+    _, step = _last_params(tmp_path, config)
+    assert step == 1
+    # The budget is the run's, over resumes: running the same command again trains nothing.
+    again = train_and_evaluate(config, tmp_path)
+    assert (again["step"], again["trained_steps"], again["budget_reached"]) == (1, 0, 1.0)
+    assert again["loss"] == pytest.approx(metrics["loss"], rel=1e-6)  # the same checkpoint
+    _, step = _last_params(tmp_path, config)
+    assert step == 1
+    # Without the budget the same workdir resumes there and trains to num_steps.
+    config.train.max_minutes = 0.0
+    done = train_and_evaluate(config, tmp_path)
+    assert (done["step"], done["trained_steps"], done["budget_reached"]) == (6, 5, 0.0)
+    assert _validation_steps(tmp_path) == [1, 4, 6]
+    _, step = _last_params(tmp_path, config)
+    assert step == 6
+
+
+def _logged_rates(workdir) -> dict[int, float]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["learning_rate"] for r in records if r["split"] == "train"}
+
+
+def test_cooldown_fraction_ramps_the_rate_to_zero_by_steps_and_by_the_clock(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=6, log_every=1, eval_every=6, checkpoint_every=6)
+    config.optimizer.cooldown_fraction = 0.5
+    config.train.embedding_init = "random"  # the initial parameters are create_train_state's
+    train_and_evaluate(config, tmp_path / "steps")
+    noam = schedules.noam(config.model.d_model, config.optimizer.warmup_steps)
+    rates = _logged_rates(tmp_path / "steps")
+    for step, factor in ((1, 1.0), (4, 1.0), (5, 2 / 3), (6, 1 / 3)):
+        assert rates[step] == pytest.approx(float(noam(step - 1)) * factor, rel=1e-6), step
+    # A budget spent before the first step: the one step taken has a factor of 0, so
+    # it leaves the initial parameters as they were.
+    config.train.max_minutes = 1e-6
+    train_and_evaluate(config, tmp_path / "clock")
+    assert _logged_rates(tmp_path / "clock") == {1: 0.0}
+    params, step = _last_params(tmp_path / "clock", config)
+    assert step == 1
+    model = build_model(experiment.validate_experiment(config))
+    init = create_train_state(model, make_optimizer(config.optimizer, model.config, 6)[0], 0, 32)
+    jax.tree.map(np.testing.assert_array_equal, params, init.params)
+
+
+def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=4, eval_every=4, checkpoint_every=4)
+    config.optimizer.ema_decay = 0.5
+    train_and_evaluate(config, tmp_path)
+    state, _ = ckpt_lib.Checkpoints(tmp_path).restore(abstract_train_state(config), 4)
+    ema = evaluation_params(state)
+    best, step = ckpt_lib.restore_params(tmp_path, state.params, kind="best")
+    assert step == 4
+    jax.tree.map(np.testing.assert_array_equal, best, ema)
+    differs = jax.tree.map(
+        lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), ema, state.params
+    )
+    assert any(jax.tree.leaves(differs))  # the average is not the last parameters
+    # The last checkpoint translates, and averages, with the moving average too.
+    last = Translator.from_workdir(tmp_path, kind="last")
+    assert last.checkpoint == "last checkpoint, step 4"
+    jax.tree.map(np.testing.assert_array_equal, last.params, ema)
+    average_workdir(tmp_path, 1)
+    averaged, _ = ckpt_lib.restore_params(tmp_path, state.params, kind="averaged")
+    jax.tree.map(np.testing.assert_array_equal, averaged, ema)
+
+
+def test_other_models_workdir_is_refused(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    train_and_evaluate(debug_config(data_dir, num_steps=2), tmp_path)
+    other = debug_config(data_dir, num_steps=2)
+    other.model.d_ff = 128
+    with pytest.raises(TrainingError, match=r"different model \(model.d_ff: 64 -> 128\)"):
+        train_and_evaluate(other, tmp_path)
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    config = debug_config(data_dir, num_steps=40, checkpoint_every=2, log_every=2, eval_every=40)
+    config.optimizer.schedule = "constant"
+    config.optimizer.warmup_steps = 0
+    config.optimizer.clip_grad_norm = 0.0
+    config.optimizer.learning_rate = 1e30
+    with pytest.raises(TrainingError, match=r"the loss is (nan|inf) .* at step \d+") as e:
+        train_and_evaluate(config, tmp_path)
+    assert "last good checkpoint is" in str(e.value)
+
+
+def test_unwritable_workdir(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TrainingError, match="cannot write to --workdir"):
+        train_and_evaluate(debug_config(data_dir), blocker / "run")
+
+
+@pytest.mark.slow
+def test_resume_is_exact_over_epochs(fixture_data, tmp_path):
+    """The full form of test_resume_is_exact: 30 steps (several epochs of the fixture
+    pairs, with the resampled phrase pool) straight, or stopped and resumed at 10 and 20,
+    give the same validation losses and the same parameters."""
+    _, data_dir = fixture_data
+
+    def config(steps):
+        c = debug_config(data_dir, num_steps=steps, checkpoint_every=10, eval_every=10)
+        c.data.train_splits = "train,train_phrases:20"
+        c.data.resample_subsets = True
+        return c
+
+    straight = train_and_evaluate(config(30), tmp_path / "straight")
+    for steps in (10, 20, 30):
+        pieces = train_and_evaluate(config(steps), tmp_path / "pieces")
+        assert pieces["trained_steps"] == 10
+    assert pieces["loss"] == straight["loss"]
+    a, _ = _last_params(tmp_path / "straight", config(30))
+    b, _ = _last_params(tmp_path / "pieces", config(30))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
