@@ -122,7 +122,10 @@ def main() -> None:
         "hand-written": lambda: pipeline.train_iterator(examples, prefetch=0, **shape),
         "grain": lambda: grain_packed(examples, **shape),
     }
-    first = [next(make()) for make in packers.values()]
+    iterators = [make() for make in packers.values()]
+    first = [next(iterator) for iterator in iterators]
+    for iterator in iterators:
+        iterator.close()
     same = all(np.array_equal(first[0][k], first[1][k]) for k in first[0])
     speed = {name: [] for name in packers}
     padding = {}

@@ -243,10 +243,11 @@ class PackedBatchIterator(grain.DatasetIterator):
 
 # Why a hand-written packer and not grain's FirstFitPackIterDataset: grain's applies
 # the same rule (all bins emitted when an example fits none) and gives the same
-# batches and padding, but packs ~10x fewer tokens per second of host time
-# (benchmarks/packing.py: ~73k vs ~770k tokens/s on the Ding pairs), and on 2 CPU
-# cores the prefetch thread's work is taken from the training step. plan_epoch works
-# on the length table with numpy; grain's packer handles every example in Python.
+# batches and padding (7.5% vs 7.7% of slots: it also packs across epoch ends), but
+# packs ~30x fewer tokens per second of host time (benchmarks/packing.py: 75k vs
+# 2.4M tokens/s on the Ding pairs). The default run consumes ~7k tokens/s, so grain's
+# packer would take ~10% of a core from a 2-core training step; plan_epoch works on
+# the length table with numpy, grain's packer handles every example in Python.
 class PackedTrainDataset(grain.IterDataset):
     """Training batches packed from pre-tokenized examples, reshuffled every epoch.
 
