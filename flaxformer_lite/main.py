@@ -6,6 +6,8 @@
   python -m flaxformer_lite.main translate --workdir=runs/x "Where is the station?"
   python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
   python -m flaxformer_lite.main generate --workdir=runs/lm --temperature=0.8 "And God said"
+  python -m flaxformer_lite.main sweep --config=configs/ende_small.py:debug --workdir=runs/s \
+      --sweep=model.num_heads=1,2 --sweep=model.positional=sinusoidal,learned --seeds=3
   python -m flaxformer_lite.main fields
 
 ``train`` (the default command) trains or resumes; ``average`` writes the mean
@@ -13,7 +15,9 @@ of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
 ``translate`` translates its arguments, ``--input`` or standard input;
 ``evaluate`` translates a split and reports BLEU and chrF with signatures;
 ``generate`` continues its arguments (``--input`` or standard input) with a
-language-model run; ``fields`` lists every config field with its type, default
+language-model run; ``sweep`` trains (or resumes) a cross product of config
+overrides times seeds, one run folder each, and tabulates them (see
+:mod:`flaxformer_lite.sweep`); ``fields`` lists every config field with its type, default
 and meaning. Decoding flags left out take the run's ``decode`` section.
 """
 
@@ -68,7 +72,16 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "generate: sample from the k likeliest
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass (1 = off).")
 _SEED = flags.DEFINE_integer("seed", 0, "generate: sampling seed (the same seed, the same texts).")
 
-COMMANDS = ("train", "average", "translate", "evaluate", "generate", "fields")
+_SWEEP = flags.DEFINE_multi_string(
+    "sweep",
+    [],
+    "sweep: a field and its values, section.field=v1,v2 or section.field=[JSON list]; "
+    "repeat for a cross product.",
+)
+_SEEDS = flags.DEFINE_integer("seeds", 3, "sweep: runs per point, seeds train.seed + 0..N-1.")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "sweep: runs at a time.")
+
+COMMANDS = ("train", "average", "translate", "evaluate", "generate", "sweep", "fields")
 TAKES_TEXT = ("translate", "generate")  # commands whose arguments are texts
 
 
@@ -81,6 +94,7 @@ def main(argv: list[str]) -> None:
     from flaxformer_lite.checkpoints import CheckpointError
     from flaxformer_lite.config import ConfigError
     from flaxformer_lite.data.prepare import PrepareError
+    from flaxformer_lite.sweep import SweepError
     from flaxformer_lite.training.train import TrainingError
 
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
@@ -133,6 +147,8 @@ def main(argv: list[str]) -> None:
                 top_p=_TOP_P.value,
                 seed=_SEED.value,
             )
+        elif command == "sweep":
+            _sweep(decode_options)
         elif command == "evaluate":
             from flaxformer_lite.evaluation import evaluate_workdir
 
@@ -148,10 +164,41 @@ def main(argv: list[str]) -> None:
         TrainingError,
         CheckpointError,
         PrepareError,
+        SweepError,
         FileNotFoundError,
         ValueError,
     ) as e:
         _fail(str(e))
+
+
+def _sweep(decode_options: dict) -> None:
+    import jax
+
+    from flaxformer_lite import sweep
+
+    # This process only validates, counts parameters and tabulates: it stays on the CPU
+    # so that the runs it starts (in their own processes) get the accelerators.
+    jax.config.update("jax_platforms", "cpu")
+
+    if _CONFIG.value is None:
+        _fail("--config is required, e.g. --config=configs/ende_small.py:debug")
+    config_flag = flags.FLAGS["config"]
+    spec = sweep.Sweep(
+        config=config_flags.get_config_filename(config_flag),
+        axes=tuple(sweep.parse_axis(a) for a in _SWEEP.value),
+        seeds=_SEEDS.value,
+        overrides=dict(config_flags.get_override_values(config_flag)),
+        split=_SPLIT.value,
+        limit=_LIMIT.value,
+        decode_flags=tuple(f"--{k}={v}" for k, v in decode_options.items() if v is not None),
+    )
+    rows = sweep.run_sweep(spec, _WORKDIR.value, parallel=_PARALLEL.value)
+    failed = [r["run"] for r in rows if r.get("status") != "ok"]
+    print(f"results: {_WORKDIR.value}/{sweep.RESULTS_MD}, {_WORKDIR.value}/{sweep.RESULTS_JSONL}")
+    if failed:
+        _fail(
+            f"{len(failed)} of {len(rows)} runs failed: {', '.join(failed)} (see their train.log)"
+        )
 
 
 def _from_config_flags(error: BaseException) -> bool:

@@ -9,7 +9,8 @@ The layers, bottom to top (a module may import its own layer and those below):
   4  translate                                          (Translator)
   5  evaluation, average                                (BLEU on a split; averaging)
   6  training/                                          (the loop and its parts)
-  7  main                                               (the command line)
+  7  sweep                                              (grids of runs, as subprocesses)
+  8  main                                               (the command line)
 
 The README's architecture section shows the same table; ``test_readme_map_lists_every_module``
 keeps the two in step.
@@ -39,7 +40,8 @@ LAYERS = {
     "evaluation": 5,
     "average": 5,
     "training": 6,
-    "main": 7,
+    "sweep": 7,
+    "main": 8,
 }
 # main.py defers its imports into the command it runs, so `--help` and a config error
 # answer before JAX loads; everywhere else an import inside a function hides an edge.

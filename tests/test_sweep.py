@@ -1,0 +1,225 @@
+"""The sweep command: spec parsing and its errors, and a real debug grid that resumes."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from flaxformer_lite import sweep
+from flaxformer_lite.sweep import Axis, Sweep, SweepError, parse_axis
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "spec,axis",
+    [
+        ("model.num_heads=1,4,8", Axis("model.num_heads", (1, 4, 8))),
+        (
+            "model.positional=sinusoidal, learned",
+            Axis("model.positional", ("sinusoidal", "learned")),
+        ),
+        ("model.residual_dropout=0,0.1", Axis("model.residual_dropout", (0.0, 0.1))),
+        ("model.scale_embeddings=true,False", Axis("model.scale_embeddings", (True, False))),
+        ("model.d_k=8,16", Axis("model.d_k", (8, 16))),  # int | None: swept as int
+        (
+            'model.attention_pattern=["dense", "local:window=16,causal=1"]',
+            Axis("model.attention_pattern", ("dense", "local:window=16,causal=1")),
+        ),
+        ("train.label_smoothing=[0, 0.1]", Axis("train.label_smoothing", (0.0, 0.1))),
+        ("data.train_splits=train", Axis("data.train_splits", ("train",))),
+    ],
+)
+def test_parse_axis_types_values_as_the_field(spec, axis):
+    parsed = parse_axis(spec)
+    assert parsed == axis
+    assert [type(v) for v in parsed.values] == [type(v) for v in axis.values]
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("model.num_heads", "has no '='"),
+        ("model.num_hedas=1,2", "unknown config field 'model.num_hedas'"),
+        ("modle.num_heads=1,2", "unknown config field 'modle.num_heads'"),
+        ("model.num_heads=1,two", "'two' is not a int"),
+        ("model.num_heads=1.5", "'1.5' is not a int"),
+        ("model.residual_dropout=high", "'high' is not a float"),
+        ("model.scale_embeddings=maybe", "'maybe' is not a bool"),
+        ("model.num_heads=", "the list of values is empty"),
+        ("model.num_heads=[]", "the list of values is empty"),
+        ("model.num_heads=1,,2", "an empty value"),
+        ("model.num_heads=[1, true]", "True is not a int"),
+        ("model.num_heads=[1, null]", "None cannot be swept"),
+        ("model.num_heads=[1, 2", "is not a JSON list"),
+        ("model.num_heads=2,2", "a value appears twice"),
+    ],
+)
+def test_bad_axis_names_the_problem(spec, message):
+    with pytest.raises(SweepError, match=None) as error:
+        parse_axis(spec)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_grid_is_the_cross_product_times_seeds():
+    spec = Sweep(
+        "configs/ende_small.py:debug",
+        axes=(parse_axis("model.num_heads=1,2"), parse_axis("model.positional=sinusoidal,learned")),
+        seeds=3,
+        overrides={"train.seed": 10},
+    )
+    runs = spec.runs()
+    assert len(runs) == 12
+    assert runs[0].folder == "num_heads=1,positional=sinusoidal/seed10"
+    assert runs[-1].folder == "num_heads=2,positional=learned/seed12"
+    assert {r.seed for r in runs} == {10, 11, 12}
+    assert len({r.folder for r in runs}) == 12
+    command = spec.command(runs[-1], pathlib.Path("/s"))
+    assert command[3:] == [
+        "--config=configs/ende_small.py:debug",
+        "--config.train.seed=12",
+        "--config.model.num_heads=2",
+        "--config.model.positional=learned",
+        "--workdir=/s/num_heads=2,positional=learned/seed12",
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(seeds=0), "--seeds=0 must be >= 1"),
+        (
+            dict(axes=(Axis("model.num_heads", (1,)), Axis("model.num_heads", (2,)))),
+            "more than once",
+        ),
+        (
+            dict(axes=(Axis("model.num_heads", (1,)),), overrides={"model.num_heads": 4}),
+            "both swept and set",
+        ),
+        (dict(axes=(Axis("train.seed", (1, 2)),)), "use --seeds=N"),
+    ],
+)
+def test_bad_sweep_specs(kwargs, message):
+    with pytest.raises(SweepError) as error:
+        Sweep("configs/ende_small.py:debug", **kwargs)
+    assert message in str(error.value)
+
+
+def test_a_point_that_does_not_validate_fails_before_anything_runs(tmp_path):
+    # d_model 32 of the debug model does not split into 3 heads.
+    spec = Sweep("configs/ende_small.py:debug", axes=(parse_axis("model.num_heads=2,3"),))
+    with pytest.raises(SweepError) as error:
+        sweep.run_sweep(spec, tmp_path / "s")
+    assert "model.num_heads=3" in str(error.value)
+    assert not (tmp_path / "s").exists()
+
+
+def test_summary_gives_mean_and_sample_std():
+    spec = Sweep("configs/ende_small.py:debug", axes=(parse_axis("model.num_heads=1"),), seeds=2)
+    rows = [
+        {
+            "run": "num_heads=1/seed0",
+            "status": "ok",
+            "valid_nll": 2.0,
+            "steps": 6,
+            "test_bleu": 5.0,
+        },
+        {
+            "run": "num_heads=1/seed1",
+            "status": "ok",
+            "valid_nll": 4.0,
+            "steps": 6,
+            "test_bleu": 7.0,
+        },
+    ]
+    table = sweep.summarize(spec, rows)
+    line = next(t for t in table.splitlines() if t.startswith("| num_heads=1"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # sample std of (2, 4) is sqrt(2) = 1.414; of (5, 7) the same
+    assert cells == ["num_heads=1", "2/2", "6", "3.000 ± 1.414", "6.00 ± 1.41"]
+
+
+def _sweep_cli(args, data_dir, raw, cwd=ROOT):
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    cmd = [
+        sys.executable,
+        "-m",
+        "flaxformer_lite.main",
+        "sweep",
+        "--config=configs/ende_small.py:debug",
+        f"--config.data.data_dir={data_dir}",
+        "--config.model.vocab_size=100",
+        "--config.train.num_steps=3",
+        "--limit=4",
+        *args,
+    ]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+
+
+def test_cli_rejects_a_bad_spec_before_running(fixture_data, tmp_path):
+    raw, data_dir = fixture_data
+    out = _sweep_cli(["--sweep=model.num_heads=1,x", f"--workdir={tmp_path / 's'}"], data_dir, raw)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == ["error: --sweep model.num_heads: 'x' is not a int"]
+    assert not (tmp_path / "s").exists()
+
+
+def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path):
+    raw, data_dir = fixture_data
+    workdir = tmp_path / "s"
+    args = [
+        "--sweep=model.positional=sinusoidal,learned",
+        "--seeds=2",
+        "--parallel=2",
+        f"--workdir={workdir}",
+    ]
+    out = _sweep_cli(args, data_dir, raw)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+    assert [r["run"] for r in rows] == [
+        "positional=sinusoidal/seed0",
+        "positional=sinusoidal/seed1",
+        "positional=learned/seed0",
+        "positional=learned/seed1",
+    ]
+    for row in rows:
+        assert row["status"] == "ok" and row["steps"] == 3
+        assert row["overrides"]["model.positional"] in ("sinusoidal", "learned")
+        assert row["parameters"] > 0 and row["flops_per_step"] > 0 and row["tokens_per_sec"] > 0
+        assert row["valid_nll"] > 0 and row["valid_perplexity"] > 1
+        assert 0 <= row["test_bleu"] <= 100 and row["wall_minutes"] > 0
+        run = workdir / row["run"]
+        config = json.loads((run / "config.json").read_text())
+        assert config["train"]["seed"] == row["seed"]
+        assert config["model"]["positional"] == row["overrides"]["model.positional"]
+        assert (run / "command.txt").read_text().startswith(sys.executable)
+    # learned positions add a max_len x d_model table (debug: 256 x 32) to each side
+    assert rows[2]["parameters"] - rows[0]["parameters"] == 2 * 256 * 32
+    # different seeds, different runs
+    assert rows[0]["valid_nll"] != rows[1]["valid_nll"]
+    table = (workdir / "results.md").read_text()
+    assert "| positional=sinusoidal | 2/2 |" in table and " ± " in table
+    events = list((workdir / "tensorboard").rglob("events.out.tfevents.*"))
+    assert {p.parent.relative_to(workdir / "tensorboard").as_posix() for p in events} >= {
+        r["run"] for r in rows
+    }
+
+    # Resume: finished runs are skipped; a run without its result is run again (it
+    # resumes from its checkpoint, trains nothing more, and is scored again).
+    (workdir / rows[3]["run"] / "sweep_result.json").unlink()
+    before = (workdir / rows[0]["run"] / "metrics.jsonl").read_text()
+    out = _sweep_cli(args, data_dir, raw)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "3 finished before" in out.stdout
+    assert (workdir / rows[0]["run"] / "metrics.jsonl").read_text() == before
+    assert "resumed from step 3" in (workdir / rows[3]["run"] / "train.log").read_text()
+    again = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+    assert [r["valid_nll"] for r in again] == [r["valid_nll"] for r in rows]
+
+    # The same folder with other base flags is refused.
+    other = _sweep_cli(args + ["--config.train.batch_size=4"], data_dir, raw)
+    assert other.returncode == 1 and "choose another --workdir" in other.stderr
