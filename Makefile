@@ -10,7 +10,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Multi-device code is tested on 8 simulated CPU devices.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: setup prepare test test-slow demo bench lint format clean
+.PHONY: setup prepare browser test test-slow demo bench lint format clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,13 @@ test: setup
 
 test-slow: setup
 	$(TEST_ENV) $(BIN)/python -m pytest -q
+
+# Debian's chromium, for the test that opens the attention page in a headless browser
+# (skipped without it).
+browser:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium could not be installed: the browser test will be skipped"
 
 # Fetch the corpora's Debian packages (apt-get download) unless already extracted.
 prepare: setup

@@ -6,6 +6,7 @@
   python -m flaxformer_lite.main translate --workdir=runs/x "Where is the station?"
   python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
   python -m flaxformer_lite.main generate --workdir=runs/lm --temperature=0.8 "And God said"
+  python -m flaxformer_lite.main attention --workdir=runs/x "Where is the station?"
   python -m flaxformer_lite.main sweep --config=configs/ende_small.py:debug --workdir=runs/s \
       --sweep=model.num_heads=1,2 --sweep=model.positional=sinusoidal,learned --seeds=3
   python -m flaxformer_lite.main fields
@@ -15,10 +16,12 @@ of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
 ``translate`` translates its arguments, ``--input`` or standard input;
 ``evaluate`` translates a split and reports BLEU and chrF with signatures;
 ``generate`` continues its arguments (``--input`` or standard input) with a
-language-model run; ``sweep`` trains (or resumes) a cross product of config
-overrides times seeds, one run folder each, and tabulates them (see
-:mod:`flaxformer_lite.sweep`); ``fields`` lists every config field with its type, default
-and meaning. Decoding flags left out take the run's ``decode`` section.
+language-model run; ``attention`` draws every layer's and head's attention on
+one sentence (a PNG grid and a self-contained HTML page); ``sweep`` trains (or
+resumes) a cross product of config overrides times seeds, one run folder each,
+and tabulates them (see :mod:`flaxformer_lite.sweep`); ``fields`` lists every
+config field with its type, default and meaning. Decoding flags left out take
+the run's ``decode`` section.
 """
 
 from __future__ import annotations
@@ -81,8 +84,19 @@ _SWEEP = flags.DEFINE_multi_string(
 _SEEDS = flags.DEFINE_integer("seeds", 3, "sweep: runs per point, seeds train.seed + 0..N-1.")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "sweep: runs at a time.")
 
-COMMANDS = ("train", "average", "translate", "evaluate", "generate", "sweep", "fields")
-TAKES_TEXT = ("translate", "generate")  # commands whose arguments are texts
+_OUTPUT = flags.DEFINE_string(
+    "output",
+    None,
+    "attention: path prefix of the PNG and HTML it writes (default WORKDIR/attention/attention).",
+)
+_TARGET = flags.DEFINE_string(
+    "target", None, "attention: the translation to draw (default: the model's own)."
+)
+
+COMMANDS = (
+    "train", "average", "translate", "evaluate", "generate", "attention", "sweep", "fields"
+)  # fmt: skip
+TAKES_TEXT = ("translate", "generate", "attention")  # commands whose arguments are texts
 
 
 def _fail(message: str) -> None:
@@ -96,6 +110,7 @@ def main(argv: list[str]) -> None:
     from flaxformer_lite.data.prepare import PrepareError
     from flaxformer_lite.sweep import SweepError
     from flaxformer_lite.training.train import TrainingError
+    from flaxformer_lite.translate import TranslateError
 
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax/absl INFO and WARNING lines are noise here
@@ -147,6 +162,12 @@ def main(argv: list[str]) -> None:
                 top_p=_TOP_P.value,
                 seed=_SEED.value,
             )
+        elif command == "attention":
+            from flaxformer_lite import attention_maps
+
+            attention_maps.main(
+                _WORKDIR.value, argv[2:], _OUTPUT.value, _TARGET.value, **decode_options
+            )
         elif command == "sweep":
             _sweep(decode_options)
         elif command == "evaluate":
@@ -165,6 +186,7 @@ def main(argv: list[str]) -> None:
         CheckpointError,
         PrepareError,
         SweepError,
+        TranslateError,
         FileNotFoundError,
         ValueError,
     ) as e:

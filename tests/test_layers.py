@@ -7,7 +7,7 @@ The layers, bottom to top (a module may import its own layer and those below):
   2  architectures/                                     (whole models)
   3  decoding, run                                      (search; a run folder, read-only)
   4  translate                                          (Translator)
-  5  evaluation, average                                (BLEU on a split; averaging)
+  5  evaluation, average, attention_maps                (BLEU; averaging; pictures)
   6  training/                                          (the loop and its parts)
   7  sweep                                              (grids of runs, as subprocesses)
   8  main                                               (the command line)
@@ -39,6 +39,7 @@ LAYERS = {
     "translate": 4,
     "evaluation": 5,
     "average": 5,
+    "attention_maps": 5,
     "training": 6,
     "sweep": 7,
     "main": 8,

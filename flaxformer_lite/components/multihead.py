@@ -140,6 +140,15 @@ class MultiHeadAttention(nn.Module):
                     scale=1.0 if c.score_fn == "dot" else None,
                     scan_blocks=c.attention_scan_blocks or None,
                 )
+                if c.sow_attention_weights:  # for pictures: the n x n array, made only here
+                    weights = sparse.dense_attention_weights(
+                        query,
+                        key,
+                        patterns,
+                        segments=segments,
+                        scale=1.0 if c.score_fn == "dot" else None,
+                    )
+                    self.sow("intermediates", "attention_weights", weights)
                 return dense(c.d_model, (-2, -1), "out")(x)
         else:
             key, value = self._cross_attention_kv(inputs_kv, decode, project_key, project_value)

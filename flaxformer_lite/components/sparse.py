@@ -50,7 +50,7 @@ import math
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite.components.attention import dot_product_attention
+from flaxformer_lite.components.attention import attention_weights, dot_product_attention
 from flaxformer_lite.config import ATTENTION_IMPLS, ConfigError, ModelConfig, register_check
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.blocked import sparse_attention
@@ -267,6 +267,28 @@ def masked_dense_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     return dot_product_attention(
         query, key, value, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    )
+
+
+def dense_attention_weights(
+    query: Array,
+    key: Array,
+    patterns: list[P.Pattern],
+    *,
+    segments: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """``[b, h, n, n]`` attention weights of the head groups' patterns, as a dense array:
+    what the blocked kernel computes without forming it, for pictures
+    (``sow_attention_weights``) and checks at small ``n``."""
+    n, h, d = query.shape[1], query.shape[2], query.shape[-1]
+    per = h // len(patterns)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    mask = jnp.repeat(jnp.stack([jnp.asarray(p.mask(n)) for p in patterns]), per, axis=0)[None]
+    if segments is not None:
+        mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
+    return attention_weights(
+        query, key, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
     )
 
 
