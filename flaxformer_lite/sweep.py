@@ -24,8 +24,9 @@ resumes from its newest checkpoint. The sweep folder gets
 
 A bad spec (no ``=``, an unknown field, a value of the wrong type, an empty list,
 a point whose config does not validate) fails before anything runs, with one
-line naming it. Values are split at commas; a value that holds commas (a sparse
-pattern, ``data.train_splits``) goes in a JSON list:
+line naming it. ``--sweep=model.num_encoder_layers+model.num_decoder_layers=1,3``
+moves two fields together (a zip, not a product). Values are split at commas; a
+value that holds commas (a sparse pattern, ``data.train_splits``) goes in a JSON list:
 ``--sweep='model.attention_pattern=["dense","local:window=16,causal=1"]'``.
 """
 
@@ -71,14 +72,20 @@ class SweepError(ValueError):
 # The spec -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Axis:
-    """One swept field (``model.num_heads``) and its values, typed as the field."""
+    """One swept field (``model.num_heads``) and its values, typed as the field. Fields
+    joined by ``+`` (``model.num_encoder_layers+model.num_decoder_layers``) take the
+    same value together."""
 
     field: str
     values: tuple
 
     @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(self.field.split("+"))
+
+    @property
     def name(self) -> str:
-        return self.field.partition(".")[2]
+        return "+".join(f.partition(".")[2] for f in self.fields)
 
 
 def _field(key: str) -> dataclasses.Field:
@@ -132,15 +139,18 @@ def coerce(key: str, raw: Any) -> Any:
 
 
 def parse_axis(spec: str) -> Axis:
-    """``section.field=v1,v2`` (or ``section.field=[JSON list]``) as an :class:`Axis`."""
+    """``section.field=v1,v2`` (or ``section.field=[JSON list]``) as an :class:`Axis`;
+    ``section.a+section.b=v1,v2`` sets both fields to each value."""
     key, sep, text = spec.partition("=")
-    key = key.strip()
+    key = "+".join(part.strip() for part in key.split("+"))
     if not sep or not key:
         raise SweepError(
             f"--sweep {spec!r} has no '='; write it as section.field=value1,value2, "
             "e.g. --sweep=model.num_heads=1,4,8"
         )
-    _field(key)
+    fields = key.split("+")
+    for field in fields:
+        _field(field)
     text = text.strip()
     if text.startswith("["):
         try:
@@ -158,7 +168,13 @@ def parse_axis(spec: str) -> Axis:
             f"--sweep {key}: None cannot be swept from the command line; leave it "
             "out of the list and set it in the config file instead"
         )
-    values = tuple(coerce(key, v) for v in raw)
+    values = tuple(coerce(fields[0], v) for v in raw)
+    for field in fields[1:]:  # linked fields take the same values
+        if _kind(field) is not _kind(fields[0]):
+            raise SweepError(
+                f"--sweep {key}: linked fields must have one type; {fields[0]} is a "
+                f"{type_name(_kind(fields[0]))}, {field} a {type_name(_kind(field))}"
+            )
     if len(set(values)) != len(values):
         raise SweepError(f"--sweep {key}={text}: a value appears twice")
     return Axis(key, values)
@@ -198,7 +214,7 @@ class Sweep:
     def __post_init__(self):
         if self.seeds < 1:
             raise SweepError(f"--seeds={self.seeds} must be >= 1")
-        fields = [a.field for a in self.axes]
+        fields = [f for a in self.axes for f in a.fields]
         twice = sorted({f for f in fields if fields.count(f) > 1})
         if twice:
             raise SweepError(f"--sweep names {twice} more than once; give each field one list")
@@ -230,7 +246,7 @@ class Sweep:
         names = [a.name for a in self.axes]
         out = []
         for values in itertools.product(*(a.values for a in self.axes)):
-            point = tuple(zip([a.field for a in self.axes], values, strict=True))
+            point = tuple((f, v) for a, v in zip(self.axes, values, strict=True) for f in a.fields)
             labels = [
                 f"{a.field if names.count(a.name) > 1 else a.name}={_format(v)}"
                 for a, v in zip(self.axes, values, strict=True)
@@ -389,7 +405,7 @@ def measure(folder: Path, config: ExperimentConfig) -> dict[str, Any]:
 
 def _hparams(workdir: Path, sweep: Sweep, spec: RunSpec, row: dict[str, Any]) -> None:
     """One TensorBoard HParams entry per finished run (written once, when it finishes)."""
-    hparams = {a.name: _tb_value(spec.overrides[a.field]) for a in sweep.axes}
+    hparams = {a.name: _tb_value(spec.overrides[a.fields[0]]) for a in sweep.axes}
     hparams["seed"] = spec.seed
     metrics = {
         f"hparam/{k}": float(v)

@@ -31,6 +31,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
         ),
         ("train.label_smoothing=[0, 0.1]", Axis("train.label_smoothing", (0.0, 0.1))),
         ("data.train_splits=train", Axis("data.train_splits", ("train",))),
+        (
+            "model.num_encoder_layers + model.num_decoder_layers=1,3",
+            Axis("model.num_encoder_layers+model.num_decoder_layers", (1, 3)),
+        ),
     ],
 )
 def test_parse_axis_types_values_as_the_field(spec, axis):
@@ -56,6 +60,8 @@ def test_parse_axis_types_values_as_the_field(spec, axis):
         ("model.num_heads=[1, null]", "None cannot be swept"),
         ("model.num_heads=[1, 2", "is not a JSON list"),
         ("model.num_heads=2,2", "a value appears twice"),
+        ("model.num_heads+model.positional=1,2", "linked fields must have one type"),
+        ("model.num_heads+model.num_hedas=1,2", "unknown config field 'model.num_hedas'"),
     ],
 )
 def test_bad_axis_names_the_problem(spec, message):
@@ -63,6 +69,22 @@ def test_bad_axis_names_the_problem(spec, message):
         parse_axis(spec)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_linked_fields_move_together():
+    spec = Sweep(
+        "configs/ende_small.py:debug",
+        axes=(parse_axis("model.num_encoder_layers+model.num_decoder_layers=1,2"),),
+        seeds=1,
+    )
+    runs = spec.runs()
+    assert [r.folder for r in runs] == [
+        "num_encoder_layers+num_decoder_layers=1/seed0",
+        "num_encoder_layers+num_decoder_layers=2/seed0",
+    ]
+    assert runs[1].overrides == {"model.num_encoder_layers": 2, "model.num_decoder_layers": 2}
+    with pytest.raises(SweepError, match="more than once"):
+        Sweep("x.py", axes=(parse_axis("model.d_ff+model.d_ff=1"),))
 
 
 def test_grid_is_the_cross_product_times_seeds():

@@ -46,6 +46,7 @@ Examples: ``local:window=64+global:first=2``, ``sparse_strided:stride=64``,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import Array
@@ -101,6 +102,33 @@ class PatternSpecError(ValueError):
     """A sparse pattern spec that does not parse or does not fit the model."""
 
     pass
+
+
+PatternFactory = Callable[[dict, int, int], P.Pattern]
+
+
+def register_pattern(name: str, defaults: dict[str, int | None]):
+    """Decorator: make ``name`` a pattern of the spec grammar (and so of
+    ``model.attention_pattern``). ``defaults`` are its integer keys;
+    the factory gets ``(args, block_size, seed)`` with the spec's values filled in::
+
+        @register_pattern("local_dilated", {"window": 32, "dilation": 4})
+        def _local_dilated(a, block_size, seed):
+            return P.Local(a["window"]) | P.Dilated(a["window"], a["dilation"])
+    """
+
+    def add(factory: PatternFactory) -> PatternFactory:
+        if name in _ATOMS or not name.isidentifier():
+            raise ValueError(f"sparse pattern name {name!r} is taken or not an identifier")
+        _ATOMS[name] = (dict(defaults), factory)
+        return factory
+
+    return add
+
+
+def pattern_names() -> tuple[str, ...]:
+    """The names the spec grammar knows (built in and registered)."""
+    return tuple(_ATOMS)
 
 
 def _global(a: dict) -> P.Pattern:

@@ -30,10 +30,15 @@ def receptive_field(pattern: Pattern, length: int, num_layers: int) -> np.ndarra
     out = np.zeros((num_layers, length, length), bool)
     for layer in range(num_layers):
         step = pattern.for_layer(layer).mask(length) | eye
-        # reach_new[i, j] = any_k step[i, k] & reach[k, j]
-        reach = (step.astype(np.int32) @ reach.astype(np.int32)) > 0
+        reach = _compose(step, reach)
         out[layer] = reach
     return out
+
+
+def _compose(step: np.ndarray, reach: np.ndarray) -> np.ndarray:
+    """``new[i, j] = any_k step[i, k] & reach[k, j]``, as a float32 matrix product (BLAS;
+    the counts are at most ``length`` < 2^24, so exact)."""
+    return (step.astype(np.float32) @ reach.astype(np.float32)) > 0
 
 
 def coverage(pattern: Pattern, length: int, num_layers: int) -> np.ndarray:
@@ -49,7 +54,7 @@ def layers_to_cover(pattern: Pattern, length: int, max_layers: int = 64) -> int 
     reach = eye
     for layer in range(max_layers):
         step = pattern.for_layer(layer).mask(length) | eye
-        reach = (step.astype(np.int32) @ reach.astype(np.int32)) > 0
+        reach = _compose(step, reach)
         if (reach | ~target).all():
             return layer + 1
     return None
