@@ -168,3 +168,12 @@ def test_every_module_and_public_class_has_a_docstring():
                 if not ast.get_docstring(node):
                     missing.append(f"{name}: {node.name}")
     assert not missing, f"no docstring: {missing}"
+
+
+def test_readme_is_a_guide_not_a_diary():
+    """The README stays a user guide: at most 20 KB, no development history (that
+    goes into experiments/<name>/README.md)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 20 * 1024
+    diary = re.findall(r"\b(session \d+|issue \d+|commit [0-9a-f]{7})", readme, re.I)
+    assert not diary, diary

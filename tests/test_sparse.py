@@ -263,10 +263,11 @@ def test_transformer_with_full_pattern_equals_dense(rng):
     tgt = jnp.asarray(rng.integers(3, 50, (2, 19))).at[1, 12:].set(0)
     params = Transformer(c).init(jax.random.key(0), inp, tgt)
     dense = Transformer(c).apply(params, inp, tgt)
-    for spec in ("full;full", "local:window=2|full"):
+    # topk with k >= the length keeps every key: dense attention too
+    for spec in ("full;full", "topk:k=32", "local:window=2|full", "topk:k=2"):
         sc = c.replace(attention_pattern=spec, attention_block_size=8)
         out = Transformer(sc).apply(params, inp, tgt)
-        if spec.startswith("local"):
+        if spec in ("local:window=2|full", "topk:k=2"):
             assert np.abs(out - dense).max() > 1e-3  # a real restriction changes the output
         else:
             np.testing.assert_allclose(out, dense, atol=1e-5)
@@ -327,6 +328,26 @@ def test_lm_cached_decoding_matches_full_forward(spec, rng):
 def test_bad_sparse_config(field, value, needle):
     with pytest.raises(ConfigError, match=needle):
         _model_config(**{field: value})
+
+
+def test_topk_in_the_model_is_the_kernel_and_sows_its_weights(rng):
+    """A model's topk layer computes the top-k kernel; its sown weights are the
+    dense top-k weights, which give the same output; cached decoding says no."""
+    c = _model_config(attention_pattern="topk:k=3;local:window=2", attention_block_size=8)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 12, 4, 8)), jnp.float32) for _ in range(3))
+    patterns = sparse.layer_patterns(c.attention_pattern, 0, 4, block_size=8, seed=0, causal=True)
+    out = sparse.multihead_sparse_attention(q, k, v, patterns, block_size=8)
+    np.testing.assert_allclose(
+        out[:, :, :2], topk_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], 3, causal=True),
+        atol=1e-6,
+    )  # fmt: skip
+    weights = sparse.dense_attention_weights(q, k, patterns)
+    assert int((weights[:, :2] > 0).sum(-1).max()) == 3  # three keys per query
+    np.testing.assert_allclose(jnp.einsum("bhqk,bkhd->bqhd", weights, v), out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(sparse.PatternSpecError, match="cached decoding"):
+        sparse.decode_mask(patterns, jnp.arange(1), jnp.arange(12), 12)
+    with pytest.raises(ConfigError, match="topk cannot be combined"):
+        _model_config(attention_pattern="topk:k=3+local:window=2")
 
 
 def test_sparse_rejects_unsupported_combinations():

@@ -53,7 +53,13 @@ ROWS = [
     ),
     ("D_smoothing", "label_smoothing=0.0", "D: label smoothing 0.0", -1, "eps 0.0: PPL 4.67"),
     ("D_smoothing", "label_smoothing=0.2", "D: label smoothing 0.2", +1, "eps 0.2: PPL 5.47"),
-    ("E_positions", "positional=learned", "E: learned positions", 0, "PPL 4.92, BLEU 25.7 (as base)"),
+    (
+        "E_positions",
+        "positional=learned",
+        "E: learned positions",
+        0,
+        "PPL 4.92, BLEU 25.7 (as base)",
+    ),
     ("ln", "ln_position=pre", "pre-LN (not in the paper)", 0, "—"),
     ("tying", "tie_embeddings=none", "untied embeddings (not in Table 3)", 0, "—"),
 ]
@@ -117,7 +123,8 @@ def main() -> None:
         return "—" if s is None else f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
 
     lines = [
-        "| row | params | valid PPL | test BLEU | paper (base: PPL 4.92, BLEU 25.8) | verdict (PPL) |",
+        "| row | params | valid PPL | test BLEU | paper (base: PPL 4.92, BLEU 25.8) "
+        "| verdict (PPL) |",
         "|---|---:|---:|---:|---|---|",
         f"| base (ding_mini) | {base['parameters'] or 0:,} | "
         f"{fmt(base['valid_perplexity'], 2)} | {fmt(base['test_bleu'], 2)} | | |",

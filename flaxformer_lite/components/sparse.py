@@ -36,6 +36,8 @@ Names and their keys (defaults in brackets; ``block`` defaults to
 ``bigbird``        ``window`` [3] blocks, ``global`` [2] blocks, ``random`` [3], ``block``
 ``longformer``     ``window`` [256], ``global`` [1] first tokens
 ``etc``            ``window`` [128], ``global`` [8] first tokens
+``topk``           ``k`` [64]: each query's k best-scoring keys (dynamic; alone
+                   in its head group; no cached decoding)
 =================  ===========================================================
 
 Examples: ``local:window=64+global:first=2``, ``sparse_strided:stride=64``,
@@ -48,6 +50,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import Array
 
@@ -56,6 +59,7 @@ from flaxformer_lite.config import ATTENTION_IMPLS, ConfigError, ModelConfig, re
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.blocked import sparse_attention
 from flaxformer_lite.sparse.online_softmax import segment_mask
+from flaxformer_lite.sparse.topk import topk_attention
 
 IMPLS = ATTENTION_IMPLS
 
@@ -95,6 +99,7 @@ _ATOMS = {
         lambda a, blk, seed: P.longformer(a["window"], tuple(range(a["global"]))),
     ),
     "etc": ({"window": 128, "global": 8}, lambda a, blk, seed: P.etc(a["window"], a["global"])),
+    "topk": ({"k": 64}, lambda a, blk, seed: P.TopK(a["k"])),
 }
 
 
@@ -172,6 +177,10 @@ def _parse_heads(text: str, block_size: int, seed: int) -> P.Pattern:
     for term in text.split("+"):
         atoms = [_parse_atom(a, block_size, seed) for a in term.split("&")]
         terms.append(atoms[0] if len(atoms) == 1 else P.Intersection(tuple(atoms)))
+        if len(atoms) > 1 and any(isinstance(a, P.TopK) for a in atoms):
+            raise PatternSpecError(f"{text!r}: topk cannot be combined with other patterns")
+    if len(terms) > 1 and any(isinstance(t, P.TopK) for t in terms):
+        raise PatternSpecError(f"{text!r}: topk cannot be combined with other patterns")
     return terms[0] if len(terms) == 1 else P.Union(tuple(terms))
 
 
@@ -212,7 +221,8 @@ def check_spec(spec: str, num_heads: int, num_layers: int, block_size: int) -> N
         for pattern in layer_patterns(
             spec, layer, num_heads, block_size=block_size, seed=0, causal=False
         ):
-            pattern.plans(2 * block_size + 1, block_size)  # surfaces bad parameters early
+            if not isinstance(pattern, P.TopK):  # (dynamic: nothing to plan)
+                pattern.plans(2 * block_size + 1, block_size)  # surfaces bad parameters early
 
 
 @register_check
@@ -263,7 +273,15 @@ def multihead_sparse_attention(
     for g, pattern in enumerate(patterns):
         sl = slice(g * per, (g + 1) * per)
         q, k, v = query[:, :, sl], key[:, :, sl], value[:, :, sl]
-        if impl == "blocked":
+        if isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
+            outs.append(
+                topk_attention(
+                    q if scale is None else q * (scale * math.sqrt(q.shape[-1])), k, v,
+                    pattern.k, causal=pattern.is_causal, q_segments=segments,
+                    kv_segments=segments, query_block=min(block_size, 128),
+                )
+            )  # fmt: skip
+        elif impl == "blocked":
             outs.append(
                 sparse_attention(
                     q, k, v, pattern, block_size=block_size, q_segments=segments,
@@ -312,15 +330,30 @@ def dense_attention_weights(
     n, h, d = query.shape[1], query.shape[2], query.shape[-1]
     per = h // len(patterns)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    mask = jnp.repeat(jnp.stack([jnp.asarray(p.mask(n)) for p in patterns]), per, axis=0)[None]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) * scale
+    masks = []
+    for g, p in enumerate(patterns):
+        if isinstance(p, P.TopK):  # the keys scoring at least the k-th best
+            allowed = jnp.tril(jnp.ones((n, n), bool)) if p.is_causal else jnp.ones((n, n), bool)
+            group = jnp.where(allowed, scores[:, g * per : (g + 1) * per], -jnp.inf)
+            kth = jax.lax.top_k(group, min(p.k, n))[0][..., -1:]
+            masks.append(allowed & (group >= kth))
+        else:
+            masks.append(jnp.broadcast_to(jnp.asarray(p.mask(n)), (1, per, n, n)))
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(m, (scores.shape[0], per, n, n)) for m in masks], axis=1
+    )
     if segments is not None:
         mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
-    return attention_weights(
-        query, key, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    )
+    return attention_weights(query, key, mask, score_fn=lambda q, k: scores)
 
 
 def decode_mask(patterns: list[P.Pattern], q_pos: Array, k_pos: Array, n: int) -> Array:
     """``[1, h_groups->h, q, k]`` mask of the patterns for cached decoding steps."""
+    if any(isinstance(p, P.TopK) for p in patterns):
+        raise PatternSpecError(
+            "cached decoding is not implemented for topk attention: its keys depend on "
+            "the scores; evaluate perplexity, or train with a static pattern to generate"
+        )
     masks = [p.allows(q_pos[:, None], k_pos[None, :], n) for p in patterns]
     return jnp.stack(masks)[None]  # [1, groups, q, k]; the caller repeats per head

@@ -392,6 +392,26 @@ def _coarse_block_mask(pattern: Pattern, n: int, block: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
+class TopK(Pattern):
+    """Each query keeps its ``k`` highest-scoring keys (Routing/learned-sparsity family).
+
+    Dynamic: which keys depends on the scores, so there is no fixed rule or cover;
+    :func:`~flaxformer_lite.sparse.topk.topk_attention` computes it (time n^2,
+    memory ``block * n``). It cannot be combined with other patterns."""
+
+    k: int = 64
+
+    def __post_init__(self):
+        _check_positive("topk", k=self.k)
+
+    def _allows(self, i, j, n):
+        raise ValueError("top-k attention has no fixed mask: its keys depend on the scores")
+
+    def _plans(self, n, block):
+        raise ValueError("top-k attention has no fixed cover: it is computed by sparse.topk")
+
+
+@dataclasses.dataclass(frozen=True)
 class Union(Pattern):
     """Pairs allowed by any part; its cover is the union of the parts' covers."""
 
