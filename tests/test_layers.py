@@ -12,8 +12,9 @@ The layers, bottom to top (a module may import its own layer and those below):
   7  sweep                                              (grids of runs, as subprocesses)
   8  main                                               (the command line)
 
-The README's architecture section shows the same table; ``test_readme_map_lists_every_module``
-keeps the two in step.
+The README's architecture section states the same layers in one line
+(``0 `sections`, … → 1 `components/` → …``); ``test_readme_states_the_layers`` and
+``test_readme_map_lists_every_module`` keep the two in step.
 """
 
 import ast
@@ -154,6 +155,20 @@ def test_readme_map_lists_every_module():
     existing |= {p.name for d in ("benchmarks", "tests") for p in (ROOT / d).glob("*.py")}
     stale = sorted(named - existing)
     assert not stale, f"the README's architecture map names files that do not exist: {stale}"
+
+
+def test_readme_states_the_layers():
+    """The README's one-line layer order is LAYERS, module for module."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Architecture") :]
+    start = section.index("0 `sections`")
+    chain = " ".join(section[start : section.index("\n\n", start)].split())
+    stated = {}
+    for group in chain.split("→"):
+        level, _, names = group.strip().partition(" ")
+        for name in re.findall(r"`(\w+)/?`", names):
+            stated[name] = int(level)
+    assert stated == LAYERS
 
 
 def test_every_module_and_public_class_has_a_docstring():

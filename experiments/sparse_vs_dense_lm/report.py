@@ -96,9 +96,12 @@ def main() -> None:
             "run_cost_dense_steps": steps[name] * price[name],
         }
         at = budget / price[name]
+        first = max(c[0][0] for c in e["curves"])  # before it, no validation to read
         q["equal_compute"] = {
             "steps": at,
-            "valid_perplexity": mean_std([math.exp(nll_at(c, at)) for c in e["curves"]]),
+            "valid_perplexity": (
+                mean_std([math.exp(nll_at(c, at)) for c in e["curves"]]) if at >= first else None
+            ),
         }
         grid = sorted({s for c in e["curves"] for s, _ in c})
         q["curve"] = [
@@ -122,9 +125,10 @@ def write_table(quality: dict, cost: dict) -> None:
     ]
     for name, q in quality.items():
         rows = [cost["lengths"][str(n)][name] for n in (1024, 2048, 4096)]
+        equal = q["equal_compute"]["valid_perplexity"]
         lines.append(
             f"| {name} | {pm(q['valid_perplexity'])} | {q['step_time_vs_dense']:.2f}× | "
-            f"{pm(q['equal_compute']['valid_perplexity'])} "
+            f"{pm(equal) if equal else 'before the first validation'} "
             f"(step {q['equal_compute']['steps']:.0f}) | "
             f"{rows[1]['time_vs_dense']:.2f}× / {rows[2]['time_vs_dense']:.2f}× | "
             + " / ".join(f"{r['peak_bytes'] / 2**20:,.0f}" for r in rows)
@@ -153,12 +157,13 @@ def draw(quality: dict, cost: dict) -> None:
 
     lengths = sorted(int(n) for n in cost["lengths"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for name in quality:
+    for name in NAMES.values():  # every pattern cost.py timed, trained or not
         a.plot(lengths, [cost["lengths"][str(n)][name]["time_vs_dense"] for n in lengths],
                marker="o", label=name)  # fmt: skip
         b.plot(lengths, [cost["lengths"][str(n)][name]["peak_bytes"] / 2**20 for n in lengths],
                marker="o", label=name)  # fmt: skip
     a.set_ylabel("train step time / dense's (same round)")
+    a.set_yscale("log")
     b.set_ylabel("peak memory of the compiled step (MiB)")
     for axis in (a, b):
         axis.set_xscale("log", base=2)
