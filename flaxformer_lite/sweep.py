@@ -13,7 +13,8 @@ by itself. Translation runs are then scored with ``main evaluate`` on
 
 Re-running the same command resumes: a run whose ``sweep_result.json`` exists
 is skipped, an interrupted one is started again with the same command, which
-resumes from its newest checkpoint. The sweep folder gets
+resumes from its newest checkpoint. SIGTERM (a scheduler's preemption) or
+Ctrl-C stops the running runs too, so none is left writing into its folder. The sweep folder gets
 
 * ``results.jsonl``: one row per run (overrides, seed, parameters, FLOPs per
   training step, tokens/s, wall minutes, steps, the best validation
@@ -39,9 +40,11 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import typing
 from collections.abc import Sequence
@@ -317,11 +320,53 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class SweepInterrupted(SweepError):
+    """SIGTERM or SIGINT reached the sweep: its runs were stopped, none half-recorded."""
+
+
+class _Children:
+    """The runs' live processes, so that an interrupted sweep stops them instead of
+    leaving them to write into folders that the resumed sweep runs again."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen] = set()
+        self.stopping = False
+
+    def run(self, command: list[str], out, env: dict[str, str] | None) -> int:
+        with self._lock:
+            if self.stopping:
+                return -signal.SIGTERM
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self._live.add(process)
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._live.discard(process)
+
+    def stop(self, grace_seconds: float = 30.0) -> None:
+        with self._lock:
+            self.stopping = True
+            live = list(self._live)
+        for process in live:
+            process.terminate()
+        for process in live:
+            try:
+                process.wait(grace_seconds)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+_CHILDREN = _Children()
+
+
 def _run_logged(command: list[str], log: Path, env: dict[str, str] | None) -> int:
     with open(log, "a") as out:
         out.write(f"$ {shlex.join(command)}\n")
         out.flush()
-        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        return _CHILDREN.run(command, out, env)
 
 
 def _tail(log: Path, lines: int = 3) -> str:
@@ -338,6 +383,8 @@ def execute(
     done = folder / RESULT_FILE
     if done.is_file():
         return json.loads(done.read_text())
+    if _CHILDREN.stopping:  # the sweep is being interrupted: start nothing new
+        return {"run": spec.folder, "status": "failed", "error": "interrupted"}
     folder.mkdir(parents=True, exist_ok=True)
     command = sweep.command(spec, workdir)
     (folder / "command.txt").write_text(shlex.join(command) + "\n")
@@ -508,17 +555,39 @@ def run_sweep(
         flush=True,
     )
     rows: dict[str, dict] = {}
-    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:  # SIGTERM (a scheduler's preemption) ends the sweep like Ctrl-C
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+    pool = concurrent.futures.ThreadPoolExecutor(parallel)
+    try:
         futures = {pool.submit(execute, sweep, r, workdir, env): r for r in runs}
         for future in concurrent.futures.as_completed(futures):
             spec = futures[future]
             row = future.result()
             rows[spec.folder] = row
             print(f"[{len(rows)}/{len(runs)}] {_line(row)}", flush=True)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)  # no queued run starts
+        _CHILDREN.stop()  # the running ones end (and resume from checkpoints later)
+        pool.shutdown(wait=True)
+        finished = sum((workdir / r.folder / RESULT_FILE).is_file() for r in runs)
+        raise SweepInterrupted(
+            f"sweep interrupted with {finished} of {len(runs)} runs finished; the same "
+            "command resumes it"
+        ) from None
+    finally:
+        pool.shutdown(wait=True)
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        _CHILDREN.stopping = False
     ordered = [rows[r.folder] for r in runs]
     _write_atomic(workdir / RESULTS_JSONL, "".join(json.dumps(r) + "\n" for r in ordered))
     _write_atomic(workdir / RESULTS_MD, summarize(sweep, ordered))
     return ordered
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -538,6 +607,7 @@ __all__ = [
     "RunSpec",
     "Sweep",
     "SweepError",
+    "SweepInterrupted",
     "coerce",
     "mean_std",
     "parse_axis",

@@ -1,10 +1,13 @@
-"""The sweep command: spec parsing and its errors, and a real debug grid that resumes."""
+"""The sweep command: spec parsing and its errors, a real debug grid that resumes, and
+a real sweep stopped by SIGTERM."""
 
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -245,3 +248,49 @@ def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path):
     # The same folder with other base flags is refused.
     other = _sweep_cli(args + ["--config.train.batch_size=4"], data_dir, raw)
     assert other.returncode == 1 and "choose another --workdir" in other.stderr
+
+
+def _processes_naming(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text`` (from /proc, Linux)."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(
+                errors="replace"
+            ):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/cmdline").exists(), reason="needs /proc")
+def test_sigterm_stops_the_sweep_and_its_runs(fixture_data, tmp_path):
+    """A preempted sweep (SIGTERM) stops its running runs instead of orphaning them,
+    records none of them as finished, and exits with one line; the runs resume later."""
+    raw, data_dir = fixture_data
+    workdir = tmp_path / "s"
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    cmd = [
+        sys.executable, "-m", "flaxformer_lite.main", "sweep",
+        "--config=configs/ende_small.py:debug", f"--config.data.data_dir={data_dir}",
+        "--config.model.vocab_size=100", "--config.train.num_steps=100000",
+        "--config.train.log_every=1", "--sweep=model.num_heads=1,2", "--seeds=1",
+        "--split=", f"--workdir={workdir}",
+    ]  # fmt: skip
+    sweep_process = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    log = workdir / "num_heads=1" / "seed0" / "train.log"
+    deadline = time.monotonic() + 180
+    while not (log.is_file() and "step " in log.read_text()):  # the first run is training
+        assert sweep_process.poll() is None, sweep_process.stderr.read()
+        assert time.monotonic() < deadline, "the run never started training"
+        time.sleep(0.5)
+    sweep_process.send_signal(signal.SIGTERM)
+    _, stderr = sweep_process.communicate(timeout=90)
+    assert sweep_process.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (
+        "error: sweep interrupted with 0 of 2 runs finished; the same command resumes it"
+    )
+    assert _processes_naming(str(workdir)) == []  # no orphaned run keeps writing
+    assert not (workdir / "num_heads=1" / "seed0" / "sweep_result.json").exists()
+    assert not (workdir / "num_heads=2").exists()  # the queued run never started
