@@ -42,7 +42,17 @@ def _manager(directory: Path, **options) -> ocp.CheckpointManager:
 
 
 def _abstract(tree):
-    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    """Shapes, dtypes and shardings of ``tree``; a leaf without a sharding (e.g. from
+    ``jax.eval_shape``) is restored onto one device, whatever mesh saved it."""
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def leaf(x):
+        x = ocp.utils.to_shape_dtype_struct(x)
+        if getattr(x, "sharding", None) is None:
+            x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+        return x
+
+    return jax.tree.map(leaf, tree)
 
 
 class Checkpoints:

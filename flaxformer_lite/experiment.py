@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from flaxformer_lite.config import ConfigError, ModelConfig, model_config_dict
+from flaxformer_lite.partitioning import DEFAULT_MESH, MeshError, parse_mesh
 from flaxformer_lite.sections import (
     NON_NEGATIVE,
     POSITIVE,
@@ -128,6 +129,11 @@ class DataConfig(Section):
     )
     too_long: str = option("drop", "what happens to longer training pairs", choices=TOO_LONG)
     pack: bool = option(True, "pack several pairs into each row (segment ids keep them apart)")
+    shards: int = option(
+        0, "training data read in this many shards (0: one per process); the batches "
+        "depend on it alone, so any process count dividing it resumes a run",
+        rule=NON_NEGATIVE,
+    )  # fmt: skip
     stream: bool = option(False, "lm only: read the split as one running text cut into rows")
     tokenizer_max_sentences: int = option(
         1_000_000, "sentences the sentencepiece model learns from", rule=POSITIVE
@@ -196,6 +202,9 @@ class TrainConfig(Section):
     parallelism: str = option(
         "jit", "jit (sharded over a device mesh) or pmap", choices=PARALLELISM
     )
+    mesh: str = option(
+        DEFAULT_MESH, "jit's device mesh 'data:N,fsdp:N,model:N' (-1: the devices left over)"
+    )
     concurrent_splits: int = option(
         1, "> 1: the batch as k independent chains of one program (uses CPU cores)"
     )
@@ -221,6 +230,10 @@ class TrainConfig(Section):
     )  # fmt: skip
 
     def check(self) -> None:
+        try:
+            parse_mesh(self.mesh)
+        except MeshError as e:
+            raise ConfigError(str(e)) from None
         splits = self.concurrent_splits
         if splits < 1 or self.batch_size % splits:
             raise ConfigError(

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite import partitioning
 from flaxformer_lite.architectures import build_model
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
@@ -111,7 +112,8 @@ class Run:
         """Shapes and dtypes of the model's parameters (nothing allocated)."""
         model, dummy = self.model(), jnp.ones((1, 8), jnp.int32)
         args = (dummy,) if self.is_lm else (dummy, dummy)
-        return jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+        boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+        return partitioning.unbox(boxed)
 
     # Checkpoints -----------------------------------------------------------------------
     def steps(self, kind: str = "last") -> list[int]:

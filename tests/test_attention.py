@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.components import attention as A
+from flaxformer_lite.partitioning import unbox
 
 
 def _np_softmax(x, mask):
@@ -61,8 +62,8 @@ def _score_callable(name, q):
     """The jax score function and its params (built via the registry)."""
     fn = A.make_score_fn(name, num_heads=q.shape[2], head_dim=q.shape[3])
     if isinstance(fn, A.nn.Module):
-        params = fn.init(
-            jax.random.key(1), jnp.asarray(q, jnp.float32), jnp.asarray(q, jnp.float32)
+        params = unbox(
+            fn.init(jax.random.key(1), jnp.asarray(q, jnp.float32), jnp.asarray(q, jnp.float32))
         )["params"]
         return (lambda qq, kk: fn.apply({"params": params}, qq, kk)), params
     return fn, {}

@@ -10,12 +10,13 @@ import pytest
 from flaxformer_lite import PRESETS, ConfigError, LanguageModel, ModelConfig, Transformer
 from flaxformer_lite.config import get_preset, model_config_from
 from flaxformer_lite.experiment import load_config
+from flaxformer_lite.partitioning import unbox
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _param_shapes(model, *args):
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+    shapes = jax.eval_shape(lambda: unbox(model.init(jax.random.key(0), *args)))["params"]
     return {
         "/".join(k.key for k in path): list(v.shape)
         for path, v in jax.tree_util.tree_flatten_with_path(shapes)[0]

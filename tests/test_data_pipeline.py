@@ -13,6 +13,7 @@ from flaxformer_lite import Transformer
 from flaxformer_lite.config import ModelConfig
 from flaxformer_lite.data import builders, pipeline, prepare, sources
 from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer
+from flaxformer_lite.partitioning import unbox
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.steps import eval_step
 from tests import fixtures
@@ -301,8 +302,8 @@ def test_packed_loss_equals_padded_loss():
     members = [exs[i] for row in rows for i in row]
     packed_batch = packed.materialize(rows)
     padded_batch = pipeline.eval_batches(members, batch_size=len(members), max_length=32)[0]
-    params = model.init(
-        jax.random.key(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
+    params = unbox(
+        model.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))
     )["params"]
     a = eval_step(
         params,

@@ -12,6 +12,7 @@ import pytest
 
 from flaxformer_lite import LanguageModel, ModelConfig, Transformer, decoding
 from flaxformer_lite.evaluation import corpus_scores
+from flaxformer_lite.partitioning import unbox
 
 CFG = ModelConfig(
     vocab_size=40,
@@ -30,7 +31,7 @@ SRC = jnp.array([[5, 6, 7, 8, 1, 0], [9, 10, 1, 0, 0, 0], [11, 12, 13, 14, 15, 1
 @pytest.fixture(scope="module")
 def model_params():
     model = Transformer(CFG)
-    params = model.init(jax.random.key(3), SRC, SRC)["params"]
+    params = unbox(model.init(jax.random.key(3), SRC, SRC))["params"]
     # Sharpen the output so that EOS and ties behave like a trained model's.
     params = jax.tree.map(lambda x: x * 1.5, params)
     return model, params
@@ -84,7 +85,9 @@ def test_beam_search_with_a_sliding_window_decoder():
     shared by all beams; reordering beams must move the keys, not the positions."""
     cfg = dataclasses.replace(CFG, attention_pattern="local:window=3", attention_block_size=4)
     model = Transformer(cfg)
-    params = jax.tree.map(lambda x: x * 1.5, model.init(jax.random.key(3), SRC, SRC)["params"])
+    params = jax.tree.map(
+        lambda x: x * 1.5, unbox(model.init(jax.random.key(3), SRC, SRC))["params"]
+    )
     kw = dict(max_length=10, eos_id=1, bos_id=2)
     greedy = decoding.sample(model, params, SRC, **kw)
     one, _ = decoding.beam_search(model, params, SRC, beam_size=1, alpha=0.0, **kw)
@@ -223,7 +226,9 @@ def test_ensemble_greedy_and_beam_follow_the_mean_probability(model_params):
     probability at every step (checked by full forward passes), and beam scores
     are the mixture's log-probability of each hypothesis."""
     model, params = model_params
-    other = jax.tree.map(lambda x: x * 1.5, model.init(jax.random.key(7), SRC, SRC)["params"])
+    other = jax.tree.map(
+        lambda x: x * 1.5, unbox(model.init(jax.random.key(7), SRC, SRC))["params"]
+    )
     members = (params, other)
     kw = dict(max_length=10, eos_id=1, bos_id=2)
     out = np.asarray(decoding.sample(model, members, SRC, **kw))
@@ -275,7 +280,7 @@ def test_filter_logits_top_k_and_top_p():
 
 def test_language_model_prefix_is_forced():
     lm = LanguageModel(CFG)
-    params = lm.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+    params = unbox(lm.init(jax.random.key(0), jnp.ones((1, 8), jnp.int32)))["params"]
     prefix = jnp.array([[7, 8, 9], [10, 0, 0]])
     out = decoding.sample(lm, params, None, prefix=prefix, max_length=8, eos_id=1, bos_id=2)
     assert out[0, :3].tolist() == [7, 8, 9] and int(out[1, 0]) == 10
@@ -307,7 +312,7 @@ def test_tiny_model_learns_to_copy_and_decodes_it_perfectly():
             src[i, length] = 1
         return jnp.asarray(src)
 
-    params = model.init(jax.random.key(0), batch(2), batch(2))["params"]
+    params = unbox(model.init(jax.random.key(0), batch(2), batch(2)))["params"]
     # Adam at a constant 3e-3 spikes now and then (loss 0.13 at step 800 after 0.0015 at
     # 700 on one CPU), so the rate warms up and decays: the last steps settle the copy.
     tx = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, 800, 3e-5))

@@ -13,6 +13,7 @@ from flaxformer_lite.components.embedding import (
     sinusoidal_encoding,
     sinusoidal_positions,
 )
+from flaxformer_lite.partitioning import unbox
 
 
 def test_sinusoid_literal_values():
@@ -70,7 +71,7 @@ def test_odd_width_rejected():
 def test_embed_scale_and_attend():
     emb = Embed(vocab_size=11, features=4, scale=True)
     tokens = jnp.array([[1, 5, 10]])
-    params = emb.init(jax.random.key(0), tokens)["params"]
+    params = unbox(emb.init(jax.random.key(0), tokens))["params"]
     table = np.asarray(params["embedding"])
     np.testing.assert_allclose(
         emb.apply({"params": params}, tokens)[0], table[[1, 5, 10]] * 2.0, rtol=1e-6
@@ -87,7 +88,7 @@ def test_embed_scale_and_attend():
 def test_learned_positions_lookup():
     mod = LearnedPositions(max_len=8, d_model=4)
     pos = jnp.array([[0, 1, 0, 7]])
-    params = mod.init(jax.random.key(0), pos)["params"]
+    params = unbox(mod.init(jax.random.key(0), pos))["params"]
     np.testing.assert_array_equal(
         mod.apply({"params": params}, pos)[0], np.asarray(params["embedding"])[[0, 1, 0, 7]]
     )

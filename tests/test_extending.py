@@ -1,4 +1,4 @@
-"""The README's "Extending" examples run as written: a registered score function and a
+"""docs/extending.md's examples run as written: a registered score function and a
 registered sparse pattern are accepted by the config and used by the model."""
 
 import pathlib
@@ -12,23 +12,21 @@ import pytest
 from flaxformer_lite import ModelConfig, Transformer
 from flaxformer_lite.components import attention, sparse
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.partitioning import unbox
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
 
 def _examples() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("## Extending") :]
-    section = section[: section.index("\n## ", 1)]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
 
 
 @pytest.fixture
 def registered():
-    """Run the README's first two examples; remove what they registered afterwards."""
+    """Run the guide's first two examples; remove what they registered afterwards."""
     namespace: dict = {}
     for code in _examples()[:2]:
-        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+        exec(compile(code, "docs/extending.md", "exec"), namespace)  # noqa: S102
     yield namespace
     attention._SCORE_FNS.pop("cosine", None)
     sparse._ATOMS.pop("local_dilated", None)
@@ -53,7 +51,7 @@ def test_registered_score_function_and_pattern_work(registered):
     ):
         config = ModelConfig(**small, **extra)
         model = Transformer(config)
-        params = model.init(jax.random.key(0), src, src[:, :20])["params"]
+        params = unbox(model.init(jax.random.key(0), src, src[:, :20]))["params"]
         logits = model.apply({"params": params}, src, src[:, :20])
         assert logits.shape == (1, 20, 40) and bool(jnp.isfinite(logits).all())
     # the pattern is the union the example builds

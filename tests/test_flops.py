@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite import LanguageModel, ModelConfig, Transformer
+from flaxformer_lite.partitioning import unbox
 from flaxformer_lite.training import flops
 
 
@@ -46,7 +47,7 @@ def test_forward_flops_count_every_matmul(d_k, d_v):
     c = CONFIG.replace(d_k=d_k, d_v=d_v)
     model = Transformer(c)
     src, tgt = jnp.ones((3, 12), jnp.int32), jnp.ones((3, 10), jnp.int32)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), src, tgt))["params"]
+    params = jax.eval_shape(lambda: unbox(model.init(jax.random.key(0), src, tgt)))["params"]
     jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, src, tgt))(params).jaxpr
     assert flops.forward_flops(c, 3, 12, 10) == pytest.approx(_dot_flops(jaxpr), rel=1e-9)
     assert flops.train_step_flops(c, 3, 12, 10) == 3 * flops.forward_flops(c, 3, 12, 10)
@@ -55,7 +56,7 @@ def test_forward_flops_count_every_matmul(d_k, d_v):
 def test_lm_forward_flops_count_every_matmul():
     model = LanguageModel(CONFIG)
     tokens = jnp.ones((2, 16), jnp.int32)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+    params = jax.eval_shape(lambda: unbox(model.init(jax.random.key(0), tokens)))["params"]
     jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(params).jaxpr
     assert flops.lm_forward_flops(CONFIG, 2, 16) == pytest.approx(_dot_flops(jaxpr), rel=1e-9)
     assert flops.train_step_flops(CONFIG, 2, 16, 16, "lm") == 3 * flops.lm_forward_flops(

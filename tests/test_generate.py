@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxformer_lite.partitioning import unbox
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
 from tests import fixtures
@@ -94,7 +95,9 @@ def test_generate_on_a_translation_run_is_refused(tmp_path):
 
     c = ModelConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, max_len=16)
     model = Transformer(c)
-    params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
+    params = unbox(
+        model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))
+    )
     t = Translator(model, params["params"], tokenizer=None)
     with pytest.raises(TranslateError, match="holds a translation model; use translate"):
         t.generate(["a"])

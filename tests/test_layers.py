@@ -31,6 +31,7 @@ LAYERS = {
     "config": 0,
     "experiment": 0,
     "checkpoints": 0,
+    "partitioning": 0,
     "data": 0,
     "sparse": 0,
     "components": 1,

@@ -8,6 +8,7 @@ import pytest
 from flaxformer_lite.components.masks import make_causal_mask
 from flaxformer_lite.components.multihead import MultiHeadAttention
 from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.partitioning import unbox
 
 CFG = ModelConfig(vocab_size=10, d_model=12, num_heads=3, d_k=5, d_v=7, d_ff=8, max_len=16)
 
@@ -27,11 +28,11 @@ def _np_mha(p, xq, xkv, mask):
 
 def test_projection_shapes_with_separate_dk_dv():
     x = jnp.ones((2, 4, 12))
-    params = MultiHeadAttention(CFG).init(jax.random.key(0), x)["params"]
+    params = unbox(MultiHeadAttention(CFG).init(jax.random.key(0), x))["params"]
     shapes = jax.tree.map(lambda a: a.shape, params)
     assert shapes["query"]["kernel"] == (12, 3, 5) and shapes["key"]["kernel"] == (12, 3, 5)
     assert shapes["value"]["kernel"] == (12, 3, 7) and shapes["out"]["kernel"] == (3, 7, 12)
-    no_bias = MultiHeadAttention(CFG.replace(use_bias=False)).init(jax.random.key(0), x)
+    no_bias = unbox(MultiHeadAttention(CFG.replace(use_bias=False)).init(jax.random.key(0), x))
     assert "bias" not in no_bias["params"]["query"]
 
 
@@ -41,8 +42,8 @@ def test_matches_float64_reference():
     mask = r.random((2, 1, 4, 6)) > 0.2
     mask[..., 0] = True
     mha = MultiHeadAttention(CFG, self_attention=False)
-    params = mha.init(
-        jax.random.key(0), jnp.asarray(xq, jnp.float32), jnp.asarray(xkv, jnp.float32)
+    params = unbox(
+        mha.init(jax.random.key(0), jnp.asarray(xq, jnp.float32), jnp.asarray(xkv, jnp.float32))
     )["params"]
     got = mha.apply(
         {"params": params}, jnp.asarray(xq, jnp.float32), jnp.asarray(xkv, jnp.float32), mask
@@ -54,7 +55,7 @@ def test_self_attention_cache_matches_full_causal():
     r = np.random.default_rng(1)
     x = jnp.asarray(r.normal(size=(2, 6, 12)), jnp.float32)
     mha = MultiHeadAttention(CFG)
-    variables = mha.init(jax.random.key(0), x, decode=True)
+    variables = unbox(mha.init(jax.random.key(0), x, decode=True))
     params, cache = variables["params"], variables["cache"]
     assert cache["cached_key"].shape == (2, 3, 6, 5)  # [b, h, t, d]
     assert int(cache["cache_index"]) == 0
@@ -76,7 +77,7 @@ def test_cross_attention_cache_projects_encoder_once():
     xq = jnp.asarray(r.normal(size=(2, 1, 12)), jnp.float32)
     enc = jnp.asarray(r.normal(size=(2, 5, 12)), jnp.float32)
     mha = MultiHeadAttention(CFG, self_attention=False)
-    variables = mha.init(jax.random.key(0), xq, enc, decode=True)
+    variables = unbox(mha.init(jax.random.key(0), xq, enc, decode=True))
     params = variables["params"]
     expected = mha.apply({"params": params}, xq, enc)
     first, mutated = mha.apply(
@@ -92,7 +93,7 @@ def test_cross_attention_cache_projects_encoder_once():
 def test_sow_attention_weights():
     x = jnp.ones((2, 4, 12))
     mha = MultiHeadAttention(CFG.replace(sow_attention_weights=True))
-    params = mha.init(jax.random.key(0), x)["params"]
+    params = unbox(mha.init(jax.random.key(0), x))["params"]
     _, state = mha.apply({"params": params}, x, mutable=["intermediates"])
     (w,) = state["intermediates"]["attention_weights"]
     assert w.shape == (2, 3, 4, 4)
@@ -104,7 +105,7 @@ def test_sow_attention_weights():
 def test_attention_dropout_needs_rng_and_changes_output():
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 4, 12)), jnp.float32)
     mha = MultiHeadAttention(CFG.replace(attention_dropout=0.5))
-    params = mha.init(jax.random.key(0), x)["params"]
+    params = unbox(mha.init(jax.random.key(0), x))["params"]
     det = mha.apply({"params": params}, x)
     a = mha.apply({"params": params}, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
     b = mha.apply({"params": params}, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
@@ -114,5 +115,5 @@ def test_attention_dropout_needs_rng_and_changes_output():
 @pytest.mark.parametrize("score_fn", ["additive", "bilinear"])
 def test_parameterised_scores_live_in_the_module(score_fn):
     x = jnp.ones((1, 3, 12))
-    params = MultiHeadAttention(CFG.replace(score_fn=score_fn)).init(jax.random.key(0), x)
+    params = unbox(MultiHeadAttention(CFG.replace(score_fn=score_fn)).init(jax.random.key(0), x))
     assert "score" in params["params"]

@@ -11,6 +11,7 @@ from flaxformer_lite.components import sparse
 from flaxformer_lite.components.attention import dot_product_attention
 from flaxformer_lite.components.masks import make_causal_mask
 from flaxformer_lite.config import ConfigError, ModelConfig
+from flaxformer_lite.partitioning import unbox
 from flaxformer_lite.sparse import analysis
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.blocked import block_diagonals, sparse_attention
@@ -261,7 +262,7 @@ def test_transformer_with_full_pattern_equals_dense(rng):
     c = _model_config()
     inp = jnp.asarray(rng.integers(3, 50, (2, 21))).at[1, 15:].set(0)
     tgt = jnp.asarray(rng.integers(3, 50, (2, 19))).at[1, 12:].set(0)
-    params = Transformer(c).init(jax.random.key(0), inp, tgt)
+    params = unbox(Transformer(c).init(jax.random.key(0), inp, tgt))
     dense = Transformer(c).apply(params, inp, tgt)
     # topk with k >= the length keeps every key: dense attention too
     for spec in ("full;full", "topk:k=32", "local:window=2|full", "topk:k=2"):
@@ -287,12 +288,12 @@ def test_lm_cached_decoding_matches_full_forward(spec, rng):
     c = _model_config(attention_pattern=spec, attention_block_size=4)
     lm = LanguageModel(c)
     toks = jnp.asarray(rng.integers(3, 50, (2, 17)))
-    params = lm.init(jax.random.key(1), toks)
+    params = unbox(lm.init(jax.random.key(1), toks))
     full = lm.apply(params, toks)
     ref = LanguageModel(c.replace(attention_impl="reference")).apply(params, toks)
     np.testing.assert_allclose(full, ref, atol=1e-5)
     inputs = shift_right(toks, c.bos_id)
-    cache = lm.init(jax.random.key(1), jnp.zeros((2, 17), jnp.int32), decode=True)["cache"]
+    cache = unbox(lm.init(jax.random.key(1), jnp.zeros((2, 17), jnp.int32), decode=True))["cache"]
     step = jax.jit(
         lambda cache, tok: lm.apply({**params, "cache": cache}, tok, decode=True, mutable=["cache"])
     )

@@ -11,7 +11,7 @@ from flaxformer_lite.architectures.transformer import Transformer
 from flaxformer_lite.config import ModelConfig
 from flaxformer_lite.data import pipeline
 from flaxformer_lite.training import losses
-from flaxformer_lite.training.parallel import DataParallel
+from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (
     create_train_state,
     make_optimizer,
@@ -89,7 +89,7 @@ def _tiny_setup(batch_size=8, cooldown_fraction=0.0):
 
 
 def _run(kind, state, batches, step_fn, factors=None):
-    par = DataParallel(kind)
+    par = Parallel(kind)
     fn = par.train_step(step_fn.func, **step_fn.keywords)
     s = par.put_state(state)
     out = []
@@ -148,4 +148,4 @@ def test_concurrent_splits_give_the_same_step(kind="jit"):
 
 def test_batch_must_divide_among_devices():
     with pytest.raises(ValueError, match="not divisible by the 8 devices"):
-        DataParallel("jit").check_batch_size(12)
+        Parallel("jit").check_batch_size(12)

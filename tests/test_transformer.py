@@ -9,13 +9,14 @@ from flaxformer_lite import LanguageModel, Transformer
 from flaxformer_lite.architectures.transformer import shift_right
 from flaxformer_lite.components.dropout import Dropout
 from flaxformer_lite.config import ConfigError
+from flaxformer_lite.partitioning import unbox
 
 SRC = jnp.array([[5, 6, 7, 8, 9, 0, 0], [11, 12, 13, 14, 15, 16, 17]])
 TGT = jnp.array([[20, 21, 22, 23, 24, 1], [25, 26, 27, 28, 1, 0]])
 
 
 def _init(model, *args, **kw):
-    return model.init(jax.random.key(0), *args, **kw)["params"]
+    return unbox(model.init(jax.random.key(0), *args, **kw))["params"]
 
 
 def test_shift_right_plain_and_packed():
@@ -80,7 +81,7 @@ def test_padding_does_not_change_real_positions(tiny_config, ln_position):
 def _cached_decode(model, params, src, tgt):
     """Feed BOS, tgt[0], ... one token at a time through the cache; stack logits."""
     c = model.config
-    cache = model.init(jax.random.key(0), src, tgt, decode=True)["cache"]
+    cache = unbox(model.init(jax.random.key(0), src, tgt, decode=True))["cache"]
     encoded = model.apply({"params": params}, src, method=Transformer.encode)
     dec_in = shift_right(tgt, c.bos_id)
     steps = []
@@ -128,7 +129,7 @@ def test_lm_cached_decoding_equals_full_forward(tiny_config, ln_position):
     tokens = jnp.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
     params = _init(lm, tokens)
     full = lm.apply({"params": params}, tokens)
-    cache = lm.init(jax.random.key(0), tokens, decode=True)["cache"]
+    cache = unbox(lm.init(jax.random.key(0), tokens, decode=True))["cache"]
     inputs = shift_right(tokens, c.bos_id)
     outs = []
     for lo, hi in [(0, 3), (3, 4), (4, 5), (5, 6)]:  # a 3-token prompt, then single steps
@@ -310,7 +311,9 @@ def test_attention_weights_are_observable(tiny_config):
 def test_too_long_input_is_a_clear_error(tiny_config):
     model = Transformer(tiny_config.replace(max_len=8))
     with pytest.raises(ValueError, match=r"source length 9 exceeds model.max_len=8"):
-        model.init(jax.random.key(0), jnp.ones((1, 9), jnp.int32), jnp.ones((1, 4), jnp.int32))
+        unbox(
+            model.init(jax.random.key(0), jnp.ones((1, 9), jnp.int32), jnp.ones((1, 4), jnp.int32))
+        )
 
 
 def test_packing_needs_both_segmentations(tiny_config):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.components.multihead import MultiHeadAttention
 from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.partitioning import unbox
 
 HERE = Path(__file__).resolve().parent
 SCORES = ("scaled_dot", "dot", "additive", "bilinear")
@@ -38,7 +39,7 @@ def program(score_fn: str, d_k: int, length: int):
     )  # fmt: skip
     layer = MultiHeadAttention(config, self_attention=True)
     x = jax.random.normal(jax.random.key(0), (BATCH, length, HEADS * d_k))
-    params = layer.init(jax.random.key(1), x)["params"]
+    params = unbox(layer.init(jax.random.key(1), x))["params"]
 
     def loss(p, x):
         return jnp.sum(layer.apply({"params": p}, x) ** 2)

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
+from flaxformer_lite import partitioning as P
 from flaxformer_lite.components.dropout import Dropout
 from flaxformer_lite.components.embedding import (
     Embed,
@@ -58,6 +59,8 @@ def _layer_norm(c: ModelConfig, name: str) -> nn.LayerNorm:
         epsilon=c.layer_norm_epsilon,
         dtype=c.compute_dtype,
         param_dtype=c.parameter_dtype,
+        scale_init=P.param_init(nn.initializers.ones_init(), P.EMBED),
+        bias_init=P.param_init(nn.initializers.zeros_init(), P.EMBED),
         name=name,
     )
 
@@ -69,8 +72,15 @@ def _residual(
     norm = _layer_norm(c, f"{name}_norm")
     drop = Dropout(c.residual_dropout, c.dropout_bits)
     if c.ln_position == "pre":
-        return x + drop(sublayer(norm(x)), deterministic=deterministic)
-    return norm(x + drop(sublayer(x), deterministic=deterministic))
+        x = x + drop(sublayer(norm(x)), deterministic=deterministic)
+    else:
+        x = norm(x + drop(sublayer(x), deterministic=deterministic))
+    return _residual_stream(x)
+
+
+def _residual_stream(x: Array) -> Array:
+    """The ``[b, l, m]`` activations between sublayers: split by rows, whole in width."""
+    return P.constrain(x, P.BATCH, P.LENGTH, P.ACT_EMBED)
 
 
 def _check_length(c: ModelConfig, length: int, what: str) -> None:
@@ -161,7 +171,9 @@ def _embed_with_positions(
         x = x + LearnedPositions(
             c.max_len, c.d_model, c.compute_dtype, c.parameter_dtype, name="positions"
         )(positions)
-    return Dropout(c.embedding_dropout, c.dropout_bits)(x, deterministic=deterministic)
+    return _residual_stream(
+        Dropout(c.embedding_dropout, c.dropout_bits)(x, deterministic=deterministic)
+    )
 
 
 def _make_embed(c: ModelConfig, name: str) -> Embed:
@@ -264,9 +276,10 @@ class Decoder(nn.Module):
                 use_bias=False,
                 dtype=c.compute_dtype,
                 param_dtype=c.parameter_dtype,
-                kernel_init=nn.initializers.xavier_uniform(),
+                kernel_init=P.param_init(nn.initializers.xavier_uniform(), P.EMBED, P.VOCAB),
                 name="logits",
             )(x)
+            logits = P.constrain(logits, P.BATCH, P.LENGTH, P.ACT_VOCAB)
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
 
     def _decode_positions(self, tokens: Array, positions: Array | None) -> Array:

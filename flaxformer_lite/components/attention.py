@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from flaxformer_lite import partitioning as P
 from flaxformer_lite.components.dropout import dropout
 from flaxformer_lite.config import ConfigError, ModelConfig, register_check
 
@@ -134,10 +135,14 @@ class AdditiveScore(nn.Module):
         a = self.hidden_dim or self.head_dim
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         shape = (self.num_heads, self.head_dim, a)
+        init = P.param_init(init, P.HEADS, P.HEAD_DIM, None)
         w_q = self.param("w_query", init, shape, self.param_dtype).astype(self.dtype)
         w_k = self.param("w_key", init, shape, self.param_dtype).astype(self.dtype)
         v = self.param(
-            "v", nn.initializers.normal(1.0 / math.sqrt(a)), (self.num_heads, a), self.param_dtype
+            "v",
+            P.param_init(nn.initializers.normal(1.0 / math.sqrt(a)), P.HEADS, None),
+            (self.num_heads, a),
+            self.param_dtype,
         ).astype(self.dtype)
         q = jnp.einsum("bqhd,hda->bhqa", query, w_q)
         k = jnp.einsum("bkhd,hda->bhka", key, w_k)
@@ -158,7 +163,7 @@ class BilinearScore(nn.Module):
         # stddev 1/d keeps q^T W k at unit variance for unit-variance q, k.
         w = self.param(
             "w",
-            nn.initializers.normal(1.0 / self.head_dim),
+            P.param_init(nn.initializers.normal(1.0 / self.head_dim), P.HEADS, None, None),
             (self.num_heads, self.head_dim, self.head_dim),
             self.param_dtype,
         ).astype(self.dtype)

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from flaxformer_lite import partitioning as P
+
 
 class Embed(nn.Module):
     """A token embedding table with an optional sqrt(d_model) scale."""
@@ -36,7 +38,7 @@ class Embed(nn.Module):
         # stddev d^-1/2: scaled embeddings have unit variance, and tied logits x E^T are O(1).
         self.embedding = self.param(
             "embedding",
-            nn.initializers.normal(stddev=self.features**-0.5),
+            P.param_init(nn.initializers.normal(stddev=self.features**-0.5), P.VOCAB, P.EMBED),
             (self.vocab_size, self.features),
             self.param_dtype,
         )
@@ -45,14 +47,19 @@ class Embed(nn.Module):
         """``[b, l]`` ids -> ``[b, l, m]``."""
         if not jnp.issubdtype(jnp.asarray(tokens).dtype, jnp.integer):
             raise ValueError(f"token ids must be integers, got dtype {jnp.asarray(tokens).dtype}")
-        x = jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+        # The lookup reads a whole table (gathered when the mesh splits it): XLA cannot
+        # gather from a vocabulary split over devices into batch-split rows directly.
+        table = P.constrain(self.embedding, None, None)
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        x = P.constrain(x, P.BATCH, P.LENGTH, P.ACT_EMBED)
         if self.scale:
             x = x * jnp.asarray(math.sqrt(self.features), self.dtype)
         return x
 
     def attend(self, x: Array) -> Array:
         """Tied output projection: ``[b, l, m]`` -> logits ``[b, l, V]``."""
-        return tied_logits(x, self.embedding.astype(self.dtype))
+        logits = tied_logits(x, self.embedding.astype(self.dtype))
+        return P.constrain(logits, P.BATCH, P.LENGTH, P.ACT_VOCAB)
 
 
 @jax.custom_vjp
@@ -127,7 +134,7 @@ class LearnedPositions(nn.Module):
     def __call__(self, positions: Array) -> Array:
         table = self.param(
             "embedding",
-            nn.initializers.normal(stddev=0.02),
+            P.param_init(nn.initializers.normal(stddev=0.02), P.POSITION, P.EMBED),
             (self.max_len, self.d_model),
             self.param_dtype,
         )

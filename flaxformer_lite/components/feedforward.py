@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 from jax import Array
 
+from flaxformer_lite import partitioning as P
 from flaxformer_lite.components.dropout import Dropout
 from flaxformer_lite.config import ModelConfig
 
@@ -25,13 +26,16 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
         c = self.config
-        dense = lambda features, name: nn.Dense(
+        # W1 splits its columns (the hidden units) over the model axis, W2 its rows.
+        dense = lambda features, name, axes: nn.Dense(
             features,
             dtype=c.compute_dtype,
             param_dtype=c.parameter_dtype,
-            kernel_init=nn.initializers.xavier_uniform(),
+            kernel_init=P.param_init(nn.initializers.xavier_uniform(), *axes),
+            bias_init=P.param_init(nn.initializers.zeros_init(), axes[1]),
             name=name,
         )
-        h = ACTIVATIONS[c.activation](dense(c.d_ff, "wi")(x))
+        h = ACTIVATIONS[c.activation](dense(c.d_ff, "wi", (P.EMBED, P.MLP))(x))
+        h = P.constrain(h, P.BATCH, P.LENGTH, P.ACT_MLP)
         h = Dropout(c.ffn_dropout, c.dropout_bits)(h, deterministic=deterministic)
-        return dense(c.d_model, "wo")(h)
+        return dense(c.d_model, "wo", (P.MLP, P.EMBED))(h)

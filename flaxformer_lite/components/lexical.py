@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
+from flaxformer_lite import partitioning as P
 from flaxformer_lite.components.attention import attention_weights
 from flaxformer_lite.config import ModelConfig
 
@@ -44,7 +45,7 @@ class LexicalShortcut(nn.Module):
                 use_bias=False,
                 dtype=c.compute_dtype,
                 param_dtype=c.parameter_dtype,
-                kernel_init=init or nn.initializers.xavier_uniform(),
+                kernel_init=P.param_init(init or nn.initializers.xavier_uniform(), P.EMBED, None),
                 name=name,
             )
 

@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array, lax
 
+from flaxformer_lite import partitioning as P
 from flaxformer_lite.components import sparse
 from flaxformer_lite.components.attention import (
     attention_weights,
@@ -80,19 +81,29 @@ class MultiHeadAttention(nn.Module):
         h, dk, dv = c.num_heads, c.head_dim_qk, c.head_dim_v
 
         def dense(features, axis, name):
+            # Q/K/V [m, h, d] split their heads (column-parallel), W^O [h, d, m] too
+            # (row-parallel): partitioning.RULES maps the names to the mesh.
+            if name == "out":
+                kernel_axes, bias_axes = (P.HEADS, P.HEAD_DIM, P.EMBED), (P.EMBED,)
+            else:
+                kernel_axes, bias_axes = (P.EMBED, P.HEADS, P.HEAD_DIM), (P.HEADS, P.HEAD_DIM)
             return nn.DenseGeneral(
                 features=features,
                 axis=axis,
                 use_bias=c.use_bias,
                 dtype=c.compute_dtype,
                 param_dtype=c.parameter_dtype,
-                kernel_init=projection_init(),
+                kernel_init=P.param_init(projection_init(), *kernel_axes),
+                bias_init=P.param_init(nn.initializers.zeros_init(), *bias_axes),
                 name=name,
             )
 
-        project_query = dense((h, dk), -1, "query")
-        project_key = dense((h, dk), -1, "key")
-        project_value = dense((h, dv), -1, "value")
+        def heads(x):
+            return P.constrain(x, P.BATCH, P.LENGTH, P.ACT_HEADS, None)
+
+        project_query = lambda x: heads(dense((h, dk), -1, "query")(x))
+        project_key = lambda x: heads(dense((h, dk), -1, "key")(x))
+        project_value = lambda x: heads(dense((h, dv), -1, "value")(x))
         score = make_score_fn(
             c.score_fn,
             num_heads=h,

@@ -335,34 +335,94 @@ def train_iterator(
     process_count: int = 1,
     prefetch: int = 4,
     resample=None,
-) -> grain.DatasetIterator:
+    shards: int = 0,
+):
     """An endless, checkpointable iterator of training batches (reshuffled every epoch).
 
-    Each process takes every ``process_count``-th example; ``pack=False`` gives
-    one pair per padded row (the baseline that packing is tested against).
-    ``resample`` (epoch -> all examples, e.g. a :class:`SubwordSampler`) is sharded
-    the same way.
+    The examples are cut into ``shards`` (0: one per process): shard ``s`` takes every
+    ``shards``-th example from the ``s``-th and packs its own ``batch_size / shards``
+    rows of every global batch. Process ``p`` of ``process_count`` reads the
+    contiguous shards ``p * shards / process_count ...`` and returns their rows side by
+    side (its ``batch_size / process_count`` local rows), so the global batch --
+    the processes' rows in process order -- depends on ``shards`` only, not on how
+    many processes read them. ``pack=False`` gives one pair per padded row (the
+    baseline that packing is tested against). ``resample`` (epoch -> all examples,
+    e.g. a :class:`SubwordSampler`) is sharded the same way.
     """
-    shard = list(examples)[process_index::process_count]
-    if resample is not None:
-        full = resample
-        resample = lambda epoch: full(epoch)[process_index::process_count]  # noqa: E731
-    if len(shard) < batch_size:
+    shards = shards or process_count
+    if shards % process_count or batch_size % (shards // process_count):
         raise ValueError(
-            f"{len(shard)} training examples on this process cannot fill one batch of "
-            f"{batch_size}; lower the batch size or add data"
+            f"data.shards={shards} must be a multiple of the {process_count} processes "
+            f"and its share ({shards // process_count or 1}) must divide the "
+            f"{batch_size} rows of this process; pick data.shards accordingly"
         )
-    ds: grain.IterDataset = PackedTrainDataset(
-        shard,
-        batch_size=batch_size,
-        max_length=max_length,
-        seed=seed,
-        pack=pack,
-        resample=resample,
-    )
-    if prefetch > 0:
-        ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
-    return iter(ds)
+    mine = shards // process_count
+    examples = list(examples)
+    parts = []
+    for s in range(process_index * mine, (process_index + 1) * mine):
+        shard = examples[s::shards]
+        shard_resample = None
+        if resample is not None:
+            shard_resample = lambda epoch, s=s: resample(epoch)[s::shards]  # noqa: E731
+        rows = batch_size // mine
+        if len(shard) < rows:
+            raise ValueError(
+                f"{len(shard)} training examples in data shard {s} of {shards} cannot fill "
+                f"its {rows} rows of a batch; lower the batch size or add data"
+            )
+        ds: grain.IterDataset = PackedTrainDataset(
+            shard,
+            batch_size=rows,
+            max_length=max_length,
+            seed=seed,
+            pack=pack,
+            resample=shard_resample,
+        )
+        if prefetch > 0:
+            ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+        parts.append((s, iter(ds)))
+    if shards == 1:
+        return parts[0][1]
+    return ShardedBatchIterator(parts)
+
+
+class ShardedBatchIterator:
+    """The batches of several data shards side by side (rows of shard after shard).
+
+    Its state names each shard's position (``{"shards": {"3": {...}}}``), so that the
+    states of all processes merge into one, from which any process count that divides
+    the shards resumes."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batches = [next(it) for _, it in self.parts]
+        return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+    def get_state(self) -> dict:
+        return {"shards": {str(s): it.get_state() for s, it in self.parts}}
+
+    def set_state(self, state: dict) -> None:
+        saved = state.get("shards", {})
+        missing = [s for s, _ in self.parts if str(s) not in saved]
+        if missing:
+            raise ValueError(
+                f"the data state has no position for shards {missing} (it has "
+                f"{sorted(saved, key=int)}): the run was read in another number of "
+                "data.shards; resume with the same data.shards"
+            )
+        for s, it in self.parts:
+            it.set_state(saved[str(s)])
+
+    def close(self) -> None:
+        for _, it in self.parts:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
 
 
 def eval_batches(

@@ -15,7 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
+from flaxformer_lite import partitioning
 from flaxformer_lite.architectures import LanguageModel, build_model
 from flaxformer_lite.config import ModelConfig
 from flaxformer_lite.experiment import ExperimentConfig, OptimizerConfig
@@ -147,20 +149,83 @@ def make_optimizer(opt: OptimizerConfig, model: ModelConfig, total_steps: int):
     return tx, schedule
 
 
-def create_train_state(
-    model: nn.Module, tx: optax.GradientTransformation, seed: int, length: int
-) -> TrainState:
-    """Initialise parameters (from ``seed``) and optimizer state."""
-    init_rng, dropout_rng = jax.random.split(jax.random.key(seed))
+def _init_args(model: nn.Module, length: int) -> tuple:
     dummy = jnp.ones((1, length), jnp.int32)
-    args = (dummy,) if isinstance(model, LanguageModel) else (dummy, dummy)
-    params = jax.jit(lambda r: model.init(r, *args)["params"])(init_rng)
-    return TrainState(
-        step=jnp.zeros((), jnp.int32),
+    return (dummy,) if isinstance(model, LanguageModel) else (dummy, dummy)
+
+
+def create_train_state(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    seed: int,
+    length: int,
+    shardings: TrainState | None = None,
+) -> TrainState:
+    """Initialise parameters (from ``seed``) and optimizer state, in one compiled
+    program; with ``shardings`` (:func:`state_partitioning` through the mesh) each
+    device creates only its own shards, so a model larger than one device fits."""
+    args = _init_args(model, length)
+
+    def init() -> TrainState:
+        init_rng, dropout_rng = jax.random.split(jax.random.key(seed))
+        params = partitioning.unbox(model.init(init_rng, *args)["params"])
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.key_data(dropout_rng),
+        )
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def state_partitioning(
+    model: nn.Module, tx: optax.GradientTransformation, length: int
+) -> tuple[TrainState, TrainState]:
+    """(logical PartitionSpecs, shapes) of the train state, nothing allocated.
+
+    Parameters carry the axis names their modules gave them; every optimizer-state
+    leaf shaped like a parameter (Adam's moments, the EMA, accumulated gradients)
+    takes its parameter's names, matched by the parameter's path at the end of its
+    own; the rest (counts, the step, the key) is replicated.
+    """
+    args = _init_args(model, length)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])
+    param_specs = partitioning.logical_specs(boxed)
+    params = partitioning.unbox(boxed)
+    by_path = {
+        _path_names(path): (spec, x.shape)
+        for (path, x), spec in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0],
+            jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+            strict=True,
+        )
+    }
+    opt_state = jax.eval_shape(tx.init, params)
+
+    def spec_of(path, leaf):
+        names = _path_names(path)
+        for start in range(len(names)):
+            found = by_path.get(names[start:])
+            if found is not None and found[1] == leaf.shape:
+                return found[0]
+        return PartitionSpec()
+
+    opt_specs = jax.tree_util.tree_map_with_path(spec_of, opt_state)
+    abstract = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
         params=params,
-        opt_state=tx.init(params),
-        rng=jax.random.key_data(dropout_rng),
+        opt_state=opt_state,
+        rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
     )
+    specs = TrainState(
+        step=PartitionSpec(), params=param_specs, opt_state=opt_specs, rng=PartitionSpec()
+    )
+    return specs, abstract
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def parameter_count(params) -> int:

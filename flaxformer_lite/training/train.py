@@ -22,10 +22,11 @@ from flaxformer_lite.data import assembly, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.evaluation import corpus_scores
 from flaxformer_lite.experiment import BEST_METRICS, ExperimentConfig
+from flaxformer_lite.partitioning import MeshError, check_model
 from flaxformer_lite.run import read_config
 from flaxformer_lite.training import flops, losses, schedules
 from flaxformer_lite.training.logging import MetricsLogger
-from flaxformer_lite.training.parallel import DataParallel
+from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (
     TrainState,
     create_train_state,
@@ -33,6 +34,7 @@ from flaxformer_lite.training.state import (
     is_token_embedding,
     make_optimizer,
     parameter_count,
+    state_partitioning,
 )
 from flaxformer_lite.training.steps import eval_step, train_step
 from flaxformer_lite.translate import Translator
@@ -89,7 +91,7 @@ def _chief_value(x: float) -> float:
     return float(multihost_utils.broadcast_one_to_all(np.asarray(x, np.float32)))
 
 
-def _evaluate(p_eval, par: DataParallel, state, batches) -> dict[str, float]:
+def _evaluate(p_eval, par: Parallel, state, batches) -> dict[str, float]:
     total = None
     params = evaluation_params(state)
     for batch in batches:
@@ -113,8 +115,13 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     workdir = Path(workdir)
     _check_workdir(config, workdir)
     t, d = config.train, config.data
-    par = DataParallel(t.parallelism)
-    par.check_batch_size(t.batch_size)
+    try:
+        par = Parallel(t.parallelism, t.mesh)
+        if par.kind == "jit":
+            check_model(par.mesh, model_config, t.batch_size)
+        par.check_batch_size(t.batch_size)
+    except (MeshError, ValueError) as e:
+        raise TrainingError(str(e)) from None
     per_device = t.batch_size // jax.local_device_count()
     if par.kind == "pmap" and per_device % t.concurrent_splits:
         raise TrainingError(
@@ -151,10 +158,13 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
 
     model = build_model(model_config, d.task)
     tx, schedule = make_optimizer(config.optimizer, model_config, t.num_steps)
-    state = create_train_state(model, tx, t.seed, d.max_length)
+    par.lay_out(*state_partitioning(model, tx, d.max_length))
+    state = create_train_state(model, tx, t.seed, d.max_length, par.state_shardings)
     print(
         f"model: {parameter_count(state.params):,} parameters; {par.num_devices} "
-        f"{jax.devices()[0].platform} device(s), parallelism={par.kind}"
+        f"{jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
+        f"parallelism={par.kind}"
+        + (f", mesh {par.shape} (data x fsdp x model)" if par.kind == "jit" else "")
     )
     sampler = data.sampler(t.seed)
     iterator = pipeline.train_iterator(
@@ -165,6 +175,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         pack=d.pack,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
+        shards=d.shards,
         resample=pipeline.SubwordSampler(
             data.train_texts, data.train, data.tokenizer, d.subword_alpha, d.max_length, t.seed
         )
