@@ -36,7 +36,9 @@ __all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset", "register_chec
 # Allowed names for the string-valued ablation hooks. Score functions and sparse
 # pattern specs are checked by their own registries (components/attention.py,
 # components/sparse.py), which add their checks with ``register_check``.
-ATTENTION_IMPLS = ("blocked", "reference")  # sparse self-attention: no n x n array | dense mask
+# blocked: the project's kernels (no n x n array for sparse patterns); reference: a
+# sparse pattern as a dense mask; cudnn / splash: the GPU / TPU fused kernels.
+ATTENTION_IMPLS = ("blocked", "reference", "cudnn", "splash")
 LN_POSITIONS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
 TIE_EMBEDDINGS = ("none", "src_tgt", "tgt_softmax", "all")
@@ -108,7 +110,8 @@ class ModelConfig(Section):
         "dense", "self-attention pattern: dense | bigbird | local:window=128+global:first=1 | ..."
     )
     attention_impl: str = option(
-        "blocked", "sparse kernel: blocked (no n x n array) | reference (dense mask)",
+        "blocked", "kernel: blocked (ours, any platform) | reference (sparse as a dense "
+        "mask) | cudnn (GPU fused: dense, causal, local) | splash (TPU, sparse patterns)",
         choices=ATTENTION_IMPLS,
     )  # fmt: skip
     attention_block_size: int = option(

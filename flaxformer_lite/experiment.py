@@ -208,6 +208,10 @@ class TrainConfig(Section):
     concurrent_splits: int = option(
         1, "> 1: the batch as k independent chains of one program (uses CPU cores)"
     )
+    microbatches: int = option(
+        1, "> 1: the batch as k micro-batches in sequence, gradients added (the same "
+        "update with 1/k of the activation memory)", rule=POSITIVE,
+    )  # fmt: skip
     log_every: int = option(50, "steps between logged measurements", rule=POSITIVE)
     eval_every: int = option(1000, "steps between validations", rule=POSITIVE)
     checkpoint_every: int = option(1000, "steps between checkpoints", rule=POSITIVE)
@@ -234,6 +238,11 @@ class TrainConfig(Section):
             parse_mesh(self.mesh)
         except MeshError as e:
             raise ConfigError(str(e)) from None
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"config.train.microbatches={self.microbatches} must divide "
+                f"train.batch_size={self.batch_size}"
+            )
         splits = self.concurrent_splits
         if splits < 1 or self.batch_size % splits:
             raise ConfigError(

@@ -40,6 +40,17 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, logs, tokenizer.")
 _NUM = flags.DEFINE_integer("num", 5, "average: how many of the last checkpoints.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "train on several processes: process 0's host:port."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "train: how many processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "train: this process's index.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "train: join the processes JAX detects (TPU slice, SLURM, MPI)."
+)
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout", 60, "train: seconds without a peer's heartbeat before all stop."
+)
 # Decoding: None = the run's decode section (the paper's beam 4, alpha 0.6 by default).
 _BEAM = flags.DEFINE_integer("beam_size", None, "translate/evaluate: beam size (1 = greedy).")
 _ALPHA = flags.DEFINE_float("alpha", None, "translate/evaluate: length penalty exponent.")
@@ -109,6 +120,7 @@ def main(argv: list[str]) -> None:
     from flaxformer_lite.config import ConfigError
     from flaxformer_lite.data.prepare import PrepareError
     from flaxformer_lite.sweep import SweepError
+    from flaxformer_lite.training.distributed import DistributedError, PeerLostError
     from flaxformer_lite.training.train import TrainingError
     from flaxformer_lite.translate import TranslateError
 
@@ -135,8 +147,16 @@ def main(argv: list[str]) -> None:
         if command == "train":
             if _CONFIG.value is None:
                 _fail("--config is required, e.g. --config=configs/ende_small.py")
+            from flaxformer_lite.training import distributed
             from flaxformer_lite.training.train import train_and_evaluate
 
+            distributed.initialize(
+                _COORDINATOR.value,
+                _NUM_PROCESSES.value,
+                _PROCESS_ID.value,
+                auto=_DISTRIBUTED.value,
+                heartbeat_timeout=_HEARTBEAT.value,
+            )
             train_and_evaluate(_CONFIG.value, _WORKDIR.value)
         elif command == "average":
             from flaxformer_lite.average import average_workdir
@@ -183,6 +203,7 @@ def main(argv: list[str]) -> None:
     except (
         ConfigError,
         TrainingError,
+        DistributedError,
         CheckpointError,
         PrepareError,
         SweepError,
@@ -190,6 +211,12 @@ def main(argv: list[str]) -> None:
         FileNotFoundError,
         ValueError,
     ) as e:
+        if isinstance(e, PeerLostError):
+            import os
+
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)  # not sys.exit: JAX's shutdown at exit would wait for the lost peer
         _fail(str(e))
 
 

@@ -184,7 +184,7 @@ def test_epochs_reshuffle_and_processes_are_disjoint():
     ]
     ids = [{tuple(r) for r in next(s)["inputs"]} for s in shards]
     assert not ids[0] & ids[1]
-    with pytest.raises(ValueError, match="cannot fill one batch"):
+    with pytest.raises(ValueError, match="cannot fill its 4 rows of a batch"):
         pipeline.train_iterator(exs[:3], batch_size=4, max_length=24, seed=0)
 
 

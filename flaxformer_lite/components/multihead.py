@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from flaxformer_lite import partitioning as P
-from flaxformer_lite.components import sparse
+from flaxformer_lite.components import kernels, sparse
 from flaxformer_lite.components.attention import (
     attention_weights,
     dropout_weights,
@@ -164,6 +164,10 @@ class MultiHeadAttention(nn.Module):
         else:
             key, value = self._cross_attention_kv(inputs_kv, decode, project_key, project_value)
 
+        if c.attention_impl == "cudnn" and not decode and not c.sow_attention_weights:
+            scale = 1.0 if c.score_fn == "dot" else None
+            x = kernels.cudnn_attention(query, key, value, mask=mask, scale=scale)
+            return dense(c.d_model, (-2, -1), "out")(x)
         weights = attention_weights(query, key, mask, score_fn=score)
         if c.sow_attention_weights:
             self.sow("intermediates", "attention_weights", weights)

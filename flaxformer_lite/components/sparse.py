@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from flaxformer_lite.components import kernels
 from flaxformer_lite.components.attention import attention_weights, dot_product_attention
 from flaxformer_lite.config import ATTENTION_IMPLS, ConfigError, ModelConfig, register_check
 from flaxformer_lite.sparse import patterns as P
@@ -242,6 +243,15 @@ def check_model_pattern(config: ModelConfig) -> None:
             f"model.attention_pattern={config.attention_pattern!r}: {e} "
             "(grammar: flaxformer_lite/components/sparse.py)"
         ) from None
+    if config.attention_impl == "cudnn":
+        for layer in parse_spec(config.attention_pattern, config.attention_block_size):
+            for pattern in layer:
+                try:
+                    kernels.cudnn_window(pattern)
+                except ValueError as e:
+                    raise ConfigError(
+                        f"model.attention_pattern={config.attention_pattern!r}: {e}"
+                    ) from None
 
 
 def sliding_window(patterns: list[P.Pattern]) -> int | None:
@@ -273,7 +283,15 @@ def multihead_sparse_attention(
     for g, pattern in enumerate(patterns):
         sl = slice(g * per, (g + 1) * per)
         q, k, v = query[:, :, sl], key[:, :, sl], value[:, :, sl]
-        if isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
+        if impl == "splash":
+            return kernels.splash_attention(
+                query, key, value, patterns, segments=segments, scale=scale
+            )
+        if impl == "cudnn":
+            outs.append(
+                kernels.cudnn_attention(q, k, v, pattern=pattern, segments=segments, scale=scale)
+            )
+        elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
             outs.append(
                 topk_attention(
                     q if scale is None else q * (scale * math.sqrt(q.shape[-1])), k, v,

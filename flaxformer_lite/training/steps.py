@@ -70,6 +70,7 @@ def train_step(
     pad_id: int = 0,
     grad_accum_steps: int = 1,
     concurrent_splits: int = 1,
+    microbatches: int = 1,
     axis_name: str | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer (micro-)step; returns the new state and its measurements.
@@ -92,7 +93,9 @@ def train_step(
         return s["loss_sum"] / jnp.maximum(total_tokens, 1.0), s
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if concurrent_splits == 1:
+    if microbatches > 1:
+        grads, sums = _accumulate(grad_fn, state.params, batch, weights, rng, microbatches)
+    elif concurrent_splits == 1:
         (_, sums), grads = grad_fn(state.params, batch, weights, rng)
     else:
         rows = weights.shape[0]
@@ -134,6 +137,36 @@ def train_step(
     )
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
+
+
+def _accumulate(grad_fn, params, batch, weights, rng, microbatches: int):
+    """(gradient, loss sums) of the batch, computed as ``microbatches`` micro-batches one
+    after another (``lax.scan``): only one micro-batch's activations are alive at a
+    time. Each micro-batch's loss is divided by the *whole* batch's token count, so
+    the sum is the whole batch's gradient exactly (``train.microbatches``); only the
+    dropout draws differ. Micro-batch ``k`` takes rows ``k, k + microbatches, ...``,
+    so every micro-batch stays spread over the devices the batch is split over."""
+    rows = weights.shape[0]
+    if rows % microbatches:
+        raise ValueError(
+            f"train.microbatches={microbatches} does not divide the {rows} rows of a batch"
+        )
+
+    def parts(value):
+        value = value.reshape(rows // microbatches, microbatches, *value.shape[1:])
+        return jnp.swapaxes(value, 0, 1)
+
+    def body(carry, xs):
+        part, part_weights, k = xs
+        (_, s), g = grad_fn(params, part, part_weights, jax.random.fold_in(rng, k))
+        return jax.tree.map(jnp.add, carry, (g, s)), None
+
+    first = jax.tree.map(lambda v: v[0], (jax.tree.map(parts, batch), parts(weights)))
+    shapes = jax.eval_shape(lambda: grad_fn(params, *first, rng))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (shapes[1], shapes[0][1]))
+    xs = (jax.tree.map(parts, batch), parts(weights), jnp.arange(microbatches))
+    (grads, sums), _ = lax.scan(body, zeros, xs)
+    return grads, sums
 
 
 def eval_step(

@@ -24,7 +24,7 @@ from flaxformer_lite.evaluation import corpus_scores
 from flaxformer_lite.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.partitioning import MeshError, check_model
 from flaxformer_lite.run import read_config
-from flaxformer_lite.training import flops, losses, schedules
+from flaxformer_lite.training import distributed, flops, losses, schedules
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (
@@ -48,7 +48,7 @@ def _check_workdir(config, workdir: Path) -> None:
     """Writable, and holding no other model's run (a clear error, never a shape crash)."""
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write_test"
+        probe = workdir / f".write_test.{jax.process_index()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -134,7 +134,11 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     if is_chief:
         ckpt_lib.write_config(workdir, config.to_json())
 
-    data = assembly.prepare_data(config, workdir)
+    # Process 0 builds the dataset and trains the tokenizer; the others then read them.
+    data = assembly.prepare_data(config, workdir) if is_chief else None
+    distributed.barrier("tokenizer written")
+    if data is None:
+        data = assembly.prepare_data(config, workdir)
     if data.tokenizer.vocab_size != model_config.vocab_size:
         raise TrainingError(
             f"the tokenizer in {workdir} has {data.tokenizer.vocab_size} pieces but "
@@ -191,7 +195,13 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     if checkpoints.latest_step() is not None:
         state, data_state = checkpoints.restore(state)
         if "iterator" in data_state:
-            iterator.set_state(data_state["iterator"])
+            try:
+                iterator.set_state(data_state["iterator"])
+            except (KeyError, ValueError) as e:
+                raise TrainingError(
+                    f"cannot resume the data position of {workdir} ({e}); resume with the "
+                    "data.shards (or, with data.shards=0, the number of processes) it had"
+                ) from None
         spent_before = float(data_state.get("train_minutes", 0.0))
         print(f"resumed from step {int(state.step)} in {workdir}")
     start = int(state.step)
@@ -205,6 +215,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         pad_id=model_config.pad_id,
         grad_accum_steps=config.optimizer.grad_accum_steps,
         concurrent_splits=t.concurrent_splits,
+        microbatches=t.microbatches,
     )
     p_eval = par.eval_step(
         eval_step, model=model, label_smoothing=t.label_smoothing, pad_id=model_config.pad_id
@@ -235,6 +246,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     state = par.put_state(state)
     final: dict[str, float] = {}
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+    peer_lost, step = False, first
     try:
         for step in range(first, t.num_steps + 1):
             batch = next(iterator)
@@ -258,6 +270,8 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
                     )
                 cooling = lr_factor < 1
             state, metrics = p_train(state, par.put_batch(batch), lr_factor)
+            if step == first:
+                distributed.WATCHDOG.start()  # several processes: stop if a peer dies
             # Every process must stop at the same step: the chief's clock decides (checked
             # at logging steps when there are several processes, to spare a collective).
             out_of_time = (
@@ -300,16 +314,35 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
                 m = par.metrics_to_host(metrics)
                 _check_finite(m, step, checkpoints, t.log_every)
                 spent = spent_before + (time.perf_counter() - wall_start) / 60
-                data_state = {"iterator": iterator.get_state(), "train_minutes": spent}
+                data_state = {
+                    "iterator": distributed.merged_data_state(iterator.get_state()),
+                    "train_minutes": spent,
+                }
                 checkpoints.save(step, par.unreplicate(state), data_state)
             if step % t.eval_every == 0 or step % t.checkpoint_every == 0:
                 # Evaluation and saving are not training time.
                 window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
             if last:
                 break
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        peer_lost = True
+        raise distributed.PeerLostError(
+            f"process {jax.process_index()} of {jax.process_count()} lost the others at "
+            f"step {step} ({str(e).splitlines()[0][:200]}); the run stopped. Restart every "
+            "process with the same command to resume "
+            + (
+                f"from the checkpoint of step {checkpoints.latest_step()}"
+                if checkpoints.latest_step() is not None
+                else "(no checkpoint yet: from the start)"
+            )
+        ) from None
     finally:
+        distributed.WATCHDOG.stop()
         iterator.close()
-        checkpoints.close()
+        if not peer_lost:  # orbax would wait for the lost process
+            checkpoints.close()
         logger.close()
     if not final:  # nothing left to train: report the checkpoint's validation metrics
         final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
@@ -354,8 +387,8 @@ def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
 def _validation_bleu(config, model, params, data: assembly.TrainingData) -> float | None:
     """Greedy BLEU on the first ``train.eval_bleu_sentences`` validation sentences."""
     n = config.train.eval_bleu_sentences
-    if not n or config.data.task != "translation":
-        return None
+    if not n or config.data.task != "translation" or jax.process_count() > 1:
+        return None  # several processes: translate the checkpoints afterwards
     translator = Translator(model, params, data.tokenizer, batch_size=config.train.batch_size)
     pairs = data.validation_texts[:n]
     hypotheses = translator.translate([p[0] for p in pairs], beam_size=1)

@@ -1,0 +1,140 @@
+"""Several processes on JAX's own runtime: 2 local processes x 4 CPU devices train like
+1 process x 8 devices, resume from their checkpoint, and stop cleanly when one dies."""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite.training.state import abstract_train_state
+from flaxformer_lite.training.train import train_and_evaluate
+from tests.fixtures import debug_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Both layouts read the data in two shards, so that they see the same global batches.
+FLAGS = (
+    "--config.model.vocab_size=100",
+    "--config.model.residual_dropout=0.1",
+    "--config.model.embedding_dropout=0.1",
+    "--config.train.eval_bleu_sentences=0",
+    "--config.train.log_every=1",
+    "--config.data.shards=2",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(fixture_data, workdir, num_steps, *extra):
+    """Start 2 processes of 4 CPU devices each on ``workdir``; returns the Popens."""
+    raw, data_dir = fixture_data
+    env = dict(
+        os.environ,
+        FLAXFORMER_RAW_DIR=str(raw),
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+    )
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flaxformer_lite.main",
+                "--config=configs/ende_small.py:debug",
+                f"--workdir={workdir}",
+                f"--config.data.data_dir={data_dir}",
+                f"--config.train.num_steps={num_steps}",
+                f"--coordinator_address=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+                *FLAGS,
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def _finish(procs, timeout=240):
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+def _train_losses(workdir) -> dict[int, float]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["split"] == "train"}
+
+
+def test_two_processes_train_and_resume_like_one(fixture_data, tmp_path):
+    _, data_dir = fixture_data
+    # One process, eight devices, straight to step 6.
+    one = tmp_path / "one"
+    config = debug_config(data_dir, num_steps=6, log_every=1, eval_bleu_sentences=0)
+    config.data.shards = 2
+    train_and_evaluate(config, one)
+    # Two processes of four devices: to step 3, then resumed to step 6.
+    two = tmp_path / "two"
+    _finish(_launch(fixture_data, two, 3))
+    assert ckpt_lib.steps(two) == [3]
+    outs = _finish(_launch(fixture_data, two, 6))
+    assert "resumed from step 3" in outs[0][0] and "resumed from step 3" in outs[1][0]
+    want, got = _train_losses(one), _train_losses(two)
+    assert sorted(got) == list(range(1, 7))
+    np.testing.assert_allclose(
+        [got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)], rtol=1e-5
+    )
+    # Only process 0 wrote the logs: one line per step, not one per process.
+    lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in lines if r["split"] == "train") == list(range(1, 7))
+    target = abstract_train_state(config).params
+    a, _ = ckpt_lib.restore_params(one, target, "last")
+    b, _ = ckpt_lib.restore_params(two, target, "last")
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True
+    ):
+        if jax.tree_util.keystr(path).endswith("['key']['bias']"):
+            continue  # zero true gradient: see tests/test_sharding.py
+        error = np.linalg.norm(np.asarray(x) - np.asarray(y)) / np.linalg.norm(np.asarray(x))
+        assert error <= 1e-5, jax.tree_util.keystr(path)
+
+
+def test_a_dead_process_stops_the_other_with_a_message(fixture_data, tmp_path):
+    procs = _launch(fixture_data, tmp_path / "run", 10_000, "--heartbeat_timeout=10")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, "the processes did not start training"
+        assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-2000:]
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = procs[0].communicate(timeout=120)
+    waited = time.monotonic() - killed
+    procs[1].communicate()
+    shown = [x for x in err.splitlines() if not x.startswith(("I1", "    @", "[Gloo"))]
+    assert procs[0].returncode == 1, "\n".join(shown)[-3000:]
+    # Whichever notices first: the failed collective, or the missed heartbeats.
+    assert re.search(r"error: process 0 of 2(: process 1 sent no heartbeat| lost the others)", err)
+    assert "Restart every process with the same command" in err
+    assert "Traceback" not in err
+    assert waited < 40, waited  # the heartbeat timeout is 10 s
