@@ -61,6 +61,7 @@ bench: prepare
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/packing.py
+	$(BIN)/python benchmarks/scale.py
 
 lint: setup
 	$(BIN)/ruff check .

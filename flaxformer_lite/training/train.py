@@ -250,7 +250,9 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     try:
         for step in range(first, t.num_steps + 1):
             batch = next(iterator)
-            window_tokens += int((batch["targets"] != 0).sum())
+            # This process's rows, times the processes: every process packs as many rows
+            # of the same length, so the global count differs from this by packing only.
+            window_tokens += int((batch["targets"] != 0).sum()) * jax.process_count()
             window_steps += 1
             lr_factor = None
             if cooldown:
