@@ -82,20 +82,17 @@ SPLASH_PATTERNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SPLASH_PATTERNS))
-def test_splash_matches_the_blocked_kernel(name):
-    """Two head groups under their own patterns, packed rows: NumpyMask, LocalMask,
-    CausalMask and ChunkedCausalMask against the blocked kernel."""
-    patterns = SPLASH_PATTERNS[name]
-    q, k, v = _qkv(b=1, n=256, h=4, d=32, seed=1)
+def _splash_against_blocked(patterns, heads):
+    q, k, v = _qkv(b=1, n=256, h=heads, d=32, seed=1)
     seg = _segments(1, 256)
+    per = heads // len(patterns)
 
     def ref(q, k, v):
         outs = [
             sparse_attention(
-                q[:, :, 2 * g : 2 * g + 2],
-                k[:, :, 2 * g : 2 * g + 2],
-                v[:, :, 2 * g : 2 * g + 2],
+                q[:, :, per * g : per * (g + 1)],
+                k[:, :, per * g : per * (g + 1)],
+                v[:, :, per * g : per * (g + 1)],
                 p,
                 block_size=32,
                 q_segments=seg,
@@ -109,6 +106,27 @@ def test_splash_matches_the_blocked_kernel(name):
         q, k, v, patterns, segments=seg, interpret=True
     )
     _check(fn, ref, (q, k, v), np.asarray(seg) > 0)
+
+
+def test_splash_matches_the_blocked_kernel():
+    """One head per pattern, packed rows: a CausalMask, a LocalMask, a ChunkedCausalMask
+    and BigBird's NumpyMask against the blocked kernel (the slow test pairs them up)."""
+    _splash_against_blocked(
+        [
+            P.Full().causal(),
+            P.Local(16),
+            P.BlockLocal(128, 0).causal(),
+            P.bigbird(block_size=32, window_blocks=3, global_blocks=1, random_blocks=1),
+        ],
+        heads=4,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPLASH_PATTERNS))
+def test_splash_matches_the_blocked_kernel_in_head_groups(name):
+    """Two head groups of two heads each, under their own patterns."""
+    _splash_against_blocked(SPLASH_PATTERNS[name], heads=4)
 
 
 @pytest.fixture
@@ -129,12 +147,12 @@ def _grads_agree(model_a, model_b, *args):
         return lambda p: jnp.sum(jnp.where(real, model.apply({"params": p}, *args), 0) ** 2) * 1e-3
 
     np.testing.assert_allclose(
-        np.where(real, model_a.apply({"params": params}, *args), 0),
-        np.where(real, model_b.apply({"params": params}, *args), 0),
+        np.where(real, jax.jit(model_a.apply)({"params": params}, *args), 0),
+        np.where(real, jax.jit(model_b.apply)({"params": params}, *args), 0),
         rtol=1e-4,
         atol=1e-4,
     )
-    ga, gb = jax.grad(loss(model_a))(params), jax.grad(loss(model_b))(params)
+    ga, gb = jax.jit(jax.grad(loss(model_a)))(params), jax.jit(jax.grad(loss(model_b)))(params)
     for (path, x), y in zip(
         jax.tree_util.tree_flatten_with_path(ga)[0], jax.tree.leaves(gb), strict=True
     ):

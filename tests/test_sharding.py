@@ -80,10 +80,17 @@ def _one_device():
     return _train("data:1", devices=jax.devices()[:1])
 
 
+# 8x1x1 is also pmap == jit's layout (tests/test_steps.py); it and 4x1x2 run with
+# `make test-slow`, the meshes that shard parameters in every run.
 @pytest.mark.parametrize(
     "mesh",
-    ["data:8", "data:1,fsdp:8", "data:1,model:8", "data:2,fsdp:2,model:2", "data:4,model:2"],
-    ids=["8x1x1", "1x8x1", "1x1x8", "2x2x2", "4x1x2"],
+    [
+        pytest.param("data:8", id="8x1x1", marks=pytest.mark.slow),
+        pytest.param("data:1,fsdp:8", id="1x8x1"),
+        pytest.param("data:1,model:8", id="1x1x8"),
+        pytest.param("data:2,fsdp:2,model:2", id="2x2x2"),
+        pytest.param("data:4,model:2", id="4x1x2", marks=pytest.mark.slow),
+    ],
 )
 def test_every_mesh_trains_like_one_device(mesh):
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"

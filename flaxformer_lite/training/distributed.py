@@ -164,6 +164,25 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def all_agree(flag: bool) -> bool:
+    """``flag`` as process 0 sees it, on every process (one process: ``flag``)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def chief_value(x: float) -> float:
+    """``x`` as process 0 computed it, on every process (one process: ``x``): a
+    factor from the clock must be the same in every replica of the parameters."""
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return float(multihost_utils.broadcast_one_to_all(np.asarray(x, np.float32)))
+
+
 def gather_json(value) -> list:
     """``value`` (JSON-serialisable) of every process, in process order."""
     if jax.process_count() == 1:

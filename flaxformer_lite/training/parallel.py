@@ -74,6 +74,13 @@ class Parallel:
                 )
             return
         rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if rows % jax.process_count():
+            raise ValueError(
+                f"train.mesh {self.shape} splits the batch {rows} ways, which the "
+                f"{jax.process_count()} processes cannot share (each feeds its own rows); "
+                "make data x fsdp a multiple of the process count (the model axis within "
+                "a host)"
+            )
         if batch_size % rows:
             raise ValueError(
                 f"train.batch_size={batch_size} is not divisible by the {rows} devices the "

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.architectures import build_model
@@ -70,25 +69,6 @@ def _check_workdir(config, workdir: Path) -> None:
                 f"--workdir={workdir} holds a run of a different {section} ({details}); "
                 "use a new --workdir, or the config that run was trained with"
             )
-
-
-def _all_agree(flag: bool) -> bool:
-    """``flag`` as process 0 sees it, on every process (one process: ``flag``)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
-
-
-def _chief_value(x: float) -> float:
-    """``x`` as process 0 computed it, on every process (one process: ``x``): a
-    factor from the clock must be the same in every replica of the parameters."""
-    if jax.process_count() == 1:
-        return x
-    from jax.experimental import multihost_utils
-
-    return float(multihost_utils.broadcast_one_to_all(np.asarray(x, np.float32)))
 
 
 def _evaluate(p_eval, par: Parallel, state, batches) -> dict[str, float]:
@@ -233,7 +213,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     # least one step, so that it leaves a checkpoint.
     deadline = wall_start + 60 * (t.max_minutes - spent_before) if t.max_minutes else math.inf
     first = start + 1
-    if 0 < start < t.num_steps and _all_agree(time.perf_counter() >= deadline):
+    if 0 < start < t.num_steps and distributed.all_agree(time.perf_counter() >= deadline):
         print(
             f"train.max_minutes={t.max_minutes:g} already spent on this run "
             f"({spent_before:.1f} min behind step {start}); nothing to train"
@@ -256,7 +236,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             window_steps += 1
             lr_factor = None
             if cooldown:
-                lr_factor = _chief_value(
+                lr_factor = distributed.chief_value(
                     schedules.cooldown_factor(
                         cooldown,
                         step,
@@ -279,7 +259,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             out_of_time = (
                 math.isfinite(deadline)
                 and (jax.process_count() == 1 or step % t.log_every == 0)
-                and _all_agree(time.perf_counter() >= deadline)
+                and distributed.all_agree(time.perf_counter() >= deadline)
             )
             last = step == t.num_steps or out_of_time
             if step % t.log_every == 0 or last:
