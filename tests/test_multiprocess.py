@@ -13,8 +13,10 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite.training import distributed
 from flaxformer_lite.training.state import abstract_train_state
 from flaxformer_lite.training.train import train_and_evaluate
 from tests.fixtures import debug_config
@@ -138,3 +140,20 @@ def test_a_dead_process_stops_the_other_with_a_message(fixture_data, tmp_path):
     assert "Restart every process with the same command" in err
     assert "Traceback" not in err
     assert waited < 40, waited  # the heartbeat timeout is 10 s
+
+
+def test_process_flags_come_from_flags_or_the_environment(monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    assert distributed.from_environment(None, None, None) == ("10.0.0.1:1234", 4, 2)
+    assert distributed.from_environment("h:1", 2, 0) == ("h:1", 2, 0)
+    monkeypatch.setenv("JAX_PROCESS_ID", "two")
+    with pytest.raises(distributed.DistributedError, match="JAX_PROCESS_ID='two' must be an"):
+        distributed.from_environment(None, None, None)
+    monkeypatch.delenv("JAX_PROCESS_ID")
+    with pytest.raises(distributed.DistributedError, match="needs --coordinator_address, "):
+        distributed.initialize()  # an address and a count, but no process id
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    assert distributed.initialize() is False  # nothing given: one process

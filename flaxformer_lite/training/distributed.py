@@ -50,7 +50,11 @@ def initialize(
     initialization_timeout: int = 300,
 ) -> bool:
     """Connect this process to the others; False when there is nothing to connect
-    (no address, no count, ``auto`` off: a single-process run)."""
+    (no address, no count, ``auto`` off: a single-process run). Values not given
+    come from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``."""
+    coordinator_address, num_processes, process_id = from_environment(
+        coordinator_address, num_processes, process_id
+    )
     explicit = (coordinator_address, num_processes, process_id)
     if not auto and all(v is None for v in explicit):
         return False
@@ -82,6 +86,28 @@ def initialize(
             "--coordinator_address and --num_processes and that process 0 is running"
         ) from e
     return True
+
+
+def from_environment(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> tuple[str | None, int | None, int | None]:
+    """The arguments, each taken from its ``JAX_*`` variable when not given."""
+    env = os.environ
+
+    def number(name: str) -> int | None:
+        value = env.get(name)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise DistributedError(f"{name}={value!r} must be an integer") from None
+
+    return (
+        coordinator_address or env.get("JAX_COORDINATOR_ADDRESS"),
+        num_processes if num_processes is not None else number("JAX_NUM_PROCESSES"),
+        process_id if process_id is not None else number("JAX_PROCESS_ID"),
+    )
 
 
 def _stop_for_lost_peer(cause: str) -> None:
