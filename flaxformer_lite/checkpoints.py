@@ -55,11 +55,38 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
+def remove_incomplete(directory: Path) -> list[str]:
+    """Delete the folders an interrupted save left in ``directory`` (orbax writes a
+    step into ``<step>.orbax-checkpoint-tmp*`` and renames it when complete; a kill
+    in between leaves the folder, and orbax then refuses to save that step again).
+    Returns their names."""
+    if not directory.is_dir():
+        return []
+    removed = []
+    for entry in sorted(directory.iterdir()):
+        if ".orbax-checkpoint-tmp" in entry.name:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
 class Checkpoints:
-    """The checkpoints of one workdir."""
+    """The checkpoints of one workdir (for training: it clears what an interrupted
+    save left behind, so that the run resumes from its newest complete step)."""
 
     def __init__(self, workdir: str | Path, keep: int = 5, best_mode: str = "min"):
         self.workdir = Path(workdir)
+        if jax.process_index() == 0:
+            for kind in ("last", "best"):
+                for name in remove_incomplete(self.workdir / _DIRS[kind]):
+                    print(
+                        f"warning: removed {self.workdir / _DIRS[kind] / name}, an incomplete "
+                        "checkpoint of an interrupted save; resuming from the newest complete one"
+                    )
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("incomplete checkpoints removed")
         self.last = _manager(self.workdir / _DIRS["last"], max_to_keep=keep)
         self.best = _manager(
             self.workdir / _DIRS["best"],
@@ -83,7 +110,11 @@ class Checkpoints:
         self.last.wait_until_finished()
 
     def save_best(self, step: int, state: Any, value: float) -> bool:
-        """Offer a state with its validation metric; kept if it is the best so far."""
+        """Offer a state with its validation metric; kept if it is the best so far.
+        A best checkpoint of the same step (written before an interruption, then
+        computed again after the resume) is replaced."""
+        if step in self.best.all_steps():
+            self.best.delete(step)
         self.best.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state)),

@@ -11,7 +11,9 @@
       --sweep=model.num_heads=1,2 --sweep=model.positional=sinusoidal,learned --seeds=3
   python -m flaxformer_lite.main fields
 
-``train`` (the default command) trains or resumes; ``average`` writes the mean
+``train`` (the default command) trains or resumes (SIGTERM or Ctrl-C: it saves a
+checkpoint after the current step and prints the command that resumes; Ctrl-C
+twice stops at once); ``average`` writes the mean
 of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
 ``translate`` translates its arguments, ``--input`` or standard input;
 ``evaluate`` translates a split and reports BLEU and chrF with signatures;

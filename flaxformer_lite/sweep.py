@@ -392,6 +392,9 @@ def execute(
     row = {"run": spec.folder, "overrides": spec.overrides, "seed": spec.seed}
     if _run_logged(command, folder / "train.log", env):
         return {**row, "status": "failed", "error": _tail(folder / "train.log")}
+    if _CHILDREN.stopping or "stopped by SIG" in _tail(folder / "train.log", 2):
+        # A preempted run checkpoints and exits 0 without finishing: not a result.
+        return {**row, "status": "failed", "error": "interrupted"}
     config = ExperimentConfig.from_config(json.loads((folder / "config.json").read_text()))
     scores = {}
     if sweep.split and config.data.task == "translation":

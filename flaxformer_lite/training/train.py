@@ -23,7 +23,7 @@ from flaxformer_lite.evaluation import corpus_scores
 from flaxformer_lite.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.partitioning import MeshError, check_model
 from flaxformer_lite.run import read_config
-from flaxformer_lite.training import distributed, flops, losses, schedules
+from flaxformer_lite.training import distributed, flops, losses, preemption, schedules
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (
@@ -226,7 +226,8 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     state = par.put_state(state)
     final: dict[str, float] = {}
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
-    peer_lost, step = False, first
+    peer_lost, step, preempted = False, first, False
+    stop = preemption.Preemption().install()  # SIGTERM / Ctrl-C: checkpoint, then stop
     try:
         for step in range(first, t.num_steps + 1):
             batch = next(iterator)
@@ -261,7 +262,10 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
                 and (jax.process_count() == 1 or step % t.log_every == 0)
                 and distributed.all_agree(time.perf_counter() >= deadline)
             )
-            last = step == t.num_steps or out_of_time
+            preempted = (jax.process_count() == 1 or step % t.log_every == 0) and (
+                distributed.all_agree(stop.requested is not None)
+            )
+            last = step == t.num_steps or out_of_time or preempted
             if step % t.log_every == 0 or last:
                 m = par.metrics_to_host(metrics)
                 _check_finite(m, step, checkpoints, t.log_every)
@@ -273,7 +277,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
                 if is_chief:
                     logger.progress(step, m)
                 window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
-            if step % t.eval_every == 0 or last:
+            if step % t.eval_every == 0 or (last and not preempted):
                 host_state = par.unreplicate(state)
                 final = _evaluate(p_eval, par, host_state, eval_batches)
                 bleu = _validation_bleu(config, model, evaluation_params(host_state), data)
@@ -321,15 +325,23 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             )
         ) from None
     finally:
+        stop.restore()
         distributed.WATCHDOG.stop()
         iterator.close()
         if not peer_lost:  # orbax would wait for the lost process
             checkpoints.close()
         logger.close()
+    stopped = int(par.unreplicate(state).step)
+    if preempted:
+        print(
+            f"stopped by {stop.requested} at step {stopped}: checkpoint saved in {workdir}. "
+            f"Resume with: {preemption.resume_command()}",
+            flush=True,
+        )
+        return {"step": stopped, "trained_steps": stopped - start, "preempted": 1.0}
     if not final:  # nothing left to train: report the checkpoint's validation metrics
         final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
     minutes = (time.perf_counter() - wall_start) / 60
-    stopped = int(par.unreplicate(state).step)
     budget = (
         f" (train.max_minutes={t.max_minutes:g} reached before step {t.num_steps})"
         if stopped < t.num_steps
