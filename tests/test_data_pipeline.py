@@ -263,6 +263,7 @@ def test_subword_sampled_batches_resume_exactly(tokenizer):
     kw = dict(batch_size=2, max_length=32, seed=3, resample=sampler)
     it = pipeline.train_iterator(best, **kw)
     first = next(it)
+    firsts = [first] + [next(it) for _ in range(3)]
     seen = set()
     for _ in range(12):  # several epochs
         b = next(it)
@@ -279,8 +280,13 @@ def test_subword_sampled_batches_resume_exactly(tokenizer):
         got = next(again)
         assert all(np.array_equal(got[k], want[k]) for k in want)
     again.close()
+    # Sampled segmentations differ from the best ones (over four batches: a short
+    # sentence may sample its best segmentation, and one batch has only a few).
     plain = pipeline.train_iterator(best, **{**kw, "resample": None})
-    assert not np.array_equal(next(plain)["targets"], first["targets"])
+    plains = [next(plain) for _ in range(4)]
+    assert not all(
+        np.array_equal(a["targets"], b["targets"]) for a, b in zip(plains, firsts, strict=True)
+    )
     plain.close()
 
 
