@@ -68,6 +68,17 @@ def _start(fixture_data, workdir, num_steps):
     )
 
 
+def _start_and_train(fixture_data, workdir, steps: int):
+    """A long run, returned once it has logged ``steps`` training steps."""
+    proc = _start(fixture_data, workdir, 10_000)
+    deadline = time.monotonic() + 180
+    while _train_steps_logged(workdir) < steps:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.05)
+    return proc
+
+
 def _train_steps_logged(workdir) -> int:
     path = workdir / "metrics.jsonl"
     if not path.exists():
@@ -117,12 +128,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(fixture_data, tmp_path):
     """Preemption: SIGTERM after a few steps finishes the step, saves it, prints the
     resume command and exits 0; resuming reaches the end like an uninterrupted run."""
     run = tmp_path / "run"
-    proc = _start(fixture_data, run, 10_000)
-    deadline = time.monotonic() + 180
-    while _train_steps_logged(run) < 4:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    proc = _start_and_train(fixture_data, run, steps=4)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -142,12 +148,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(fixture_data, tmp_path):
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_and_the_newest_checkpoint_survives(fixture_data, tmp_path):
     run = tmp_path / "run"
-    proc = _start(fixture_data, run, 10_000)
-    deadline = time.monotonic() + 180
-    while _train_steps_logged(run) < 4:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    proc = _start_and_train(fixture_data, run, steps=4)
     proc.send_signal(signal.SIGINT)
     # Two signals that arrive before Python runs the handler are one; wait for the first.
     seen = []
