@@ -14,8 +14,12 @@ reads them for inference. Imports nothing of the project.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
+import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,69 @@ _DIRS = {"last": "checkpoints", "best": "checkpoints_best", "averaged": "checkpo
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message says why and what to do."""
+
+
+def _ignore_closed_loop_reports() -> None:
+    """After a failed read, tensorstore's reads still in flight report to orbax's event
+    loop, closed by then, and Python prints each "Event loop is closed" and each orbax
+    read coroutine left unfinished (hundreds of tracebacks for one error that
+    :func:`unreadable` reports). Those reports, and only those, are dropped."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_reports", False):
+        return
+
+    def hook(report):
+        value = report.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        code = getattr(report.object, "cr_code", None)
+        if code is not None and "orbax" in code.co_filename:
+            return
+        previous(report)
+
+    hook.drops_closed_loop_reports = True
+    sys.unraisablehook = hook
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+    logging.getLogger("asyncio").addFilter(_StrayReadErrors())
+
+
+class _StrayReadErrors(logging.Filter):
+    """asyncio's "Future exception was never retrieved" for the other reads of a
+    checkpoint whose first failed read was already reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("never retrieved" in text and ("OCDBT" in text or "TensorStore" in text))
+
+
+# What the operating system says when a write cannot be done, as tensorstore quotes it.
+_DISK_ERRORS = ("No space left on device", "Read-only file system", "Permission denied",
+                "Disk quota exceeded")  # fmt: skip
+
+
+def disk_error(error: BaseException) -> str | None:
+    """The reason, when ``error`` (or its cause) is a failed write for want of space or
+    permission (an ``OSError``, or tensorstore's error quoting one); else None."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error.strerror or str(error)
+        for phrase in _DISK_ERRORS:
+            if phrase in str(error):
+                return phrase
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def unreadable(workdir, kind: str, step: int, error: BaseException) -> CheckpointError:
+    """The error for a checkpoint that cannot be read: its step, and the cause's first
+    line."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__  # tensorstore's own words, if any
+    cause = (str(error).strip().splitlines() or [""])[0][:240]
+    return CheckpointError(
+        f"the {kind} checkpoint of step {step} in {workdir} cannot be read "
+        f"({type(error).__name__}: {cause})"
+    )
 
 
 def _manager(directory: Path, **options) -> ocp.CheckpointManager:
@@ -99,36 +166,90 @@ class Checkpoints:
         return self.last.latest_step()
 
     def save(self, step: int, state: Any, data_state: Mapping | None = None) -> None:
-        self.last.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(dict(data_state or {})),
-            ),
-            force=True,
-        )
-        self.last.wait_until_finished()
+        with self._writing("last", step):
+            self.last.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(dict(data_state or {})),
+                ),
+                force=True,
+            )
+            self.last.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writing(self, kind: str, step: int):
+        """A save that fails for want of space or permission: its partial folder is
+        removed and one :class:`CheckpointError` says what to do; the checkpoints
+        written before are untouched."""
+        try:
+            yield
+        except Exception as e:
+            reason = disk_error(e)
+            if reason is None:
+                raise
+            _ignore_closed_loop_reports()
+            directory = self.workdir / _DIRS[kind]
+            remove_incomplete(directory)
+            newest = self.last.latest_step()
+            raise CheckpointError(
+                f"cannot write the {kind} checkpoint of step {step} to {directory} "
+                f"({reason}); "
+                + (
+                    f"the checkpoint of step {newest} is intact: "
+                    if newest is not None
+                    else "no checkpoint was written before: "
+                )
+                + "free space (or make the folder writable) and rerun the same command to "
+                "resume"
+            ) from e
 
     def save_best(self, step: int, state: Any, value: float) -> bool:
         """Offer a state with its validation metric; kept if it is the best so far.
         A best checkpoint of the same step (written before an interruption, then
         computed again after the resume) is replaced."""
-        if step in self.best.all_steps():
-            self.best.delete(step)
-        self.best.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
-            metrics={"value": float(value)},
-            force=True,
-        )
-        self.best.wait_until_finished()
+        with self._writing("best", step):
+            if step in self.best.all_steps():
+                self.best.delete(step)
+            self.best.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+                metrics={"value": float(value)},
+                force=True,
+            )
+            self.best.wait_until_finished()
         return self.best.best_step() == step
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
-        """(state, data iterator state) of ``step`` (default: the latest)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+        """(state, data iterator state) of ``step``; by default of the newest readable
+        step: a newer one that cannot be read (truncated or missing files, shapes of
+        another model) is named in a warning and moved aside to ``<step>.unreadable``
+        (kept for inspection; a resumed run writes that step again)."""
+        if step is not None:
+            return self._restore(step, target_state)
+        kept = self.last.all_steps()
+        if not kept:
             raise CheckpointError(f"no checkpoint in {self.workdir / _DIRS['last']}")
+        bad: list[tuple[int, CheckpointError]] = []
+        for candidate in sorted(kept, reverse=True):
+            try:
+                restored = self._restore(candidate, target_state)
+            except CheckpointError as e:
+                print(f"warning: {e}; trying the checkpoint before it", flush=True)
+                bad.append((candidate, e))
+                continue
+            if bad:
+                self._set_aside([s for s, _ in bad])
+                print(f"warning: resuming from step {candidate}, the newest readable checkpoint")
+            return restored
+        raise CheckpointError(
+            f"no checkpoint in {self.workdir / _DIRS['last']} can be read (steps "
+            f"{', '.join(str(s) for s, _ in bad)}; the newest: {bad[0][1]}); resume with the "
+            "config that wrote them, or start over in a new --workdir"
+        )
+
+    def _restore(self, step: int, target_state: Any) -> tuple[Any, dict]:
+        _ignore_closed_loop_reports()
         try:
             restored = self.last.restore(
                 step,
@@ -137,18 +258,23 @@ class Checkpoints:
                     data=ocp.args.JsonRestore(),
                 ),
             )
-        except ValueError as e:
-            raise CheckpointError(
-                f"the checkpoint at step {step} in {self.workdir} does not fit this model "
-                f"({str(e)[:300]}); use a new --workdir, or the config it was trained with"
-            ) from e
-        except Exception as e:  # unreadable files: truncated, deleted, foreign
-            raise CheckpointError(
-                f"the checkpoint at step {step} in {self.workdir} is unreadable "
-                f"({type(e).__name__}: {str(e)[:300]}); delete that step's folder to resume "
-                "from the one before"
-            ) from e
+        except Exception as e:  # truncated, deleted or foreign files; other shapes
+            raise unreadable(self.workdir, "last", step, e) from e
         return restored["state"], dict(restored["data"] or {})
+
+    def _set_aside(self, bad_steps: list[int]) -> None:
+        if jax.process_index() == 0:
+            for step in bad_steps:
+                folder = self.workdir / _DIRS["last"] / str(step)
+                aside = folder.with_name(f"{step}.unreadable")
+                shutil.rmtree(aside, ignore_errors=True)
+                folder.rename(aside)
+                print(f"warning: moved the unreadable checkpoint to {aside}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("unreadable checkpoints set aside")
+        self.last.reload()
 
     def close(self) -> None:
         self.last.close()
@@ -208,6 +334,7 @@ def restore_params(
     ``target_params`` gives shapes/dtypes (e.g. ``jax.eval_shape`` of model.init).
     """
     step = _pick_step(workdir, kind, step)
+    _ignore_closed_loop_reports()
     manager = _manager(Path(workdir) / _DIRS[kind], read_only=True)
     item = "params" if kind == "averaged" else "state"
     target = {"params": _abstract(target_params)}
@@ -222,14 +349,28 @@ def restore_params(
                 }
             ),
         )
-    except ValueError as e:
-        raise CheckpointError(
-            f"the {kind} checkpoint (step {step}) in {workdir} does not fit this model: "
-            f"{str(e)[:300]}"
-        ) from e
+    except Exception as e:  # truncated, deleted or foreign files; other shapes
+        raise unreadable(workdir, kind, step, e) from e
     finally:
         manager.close()
-    return restored[item]["params"], step
+    params = restored[item]["params"]
+    check_shapes(params, target_params, f"the {kind} checkpoint of step {step} in {workdir}")
+    return params, step
+
+
+def check_shapes(tree: Any, target: Any, what: str) -> None:
+    """orbax restores arrays with their stored shapes, whatever the target says: a
+    checkpoint of another model would only fail later, inside the model."""
+    stored = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+    for path, want in jax.tree_util.tree_flatten_with_path(target)[0]:
+        got = stored.get(path)
+        if got is None or tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{what} cannot be read (parameters of another model: "
+                f"{jax.tree_util.keystr(path)} is "
+                f"{'missing' if got is None else tuple(got.shape)}, this config needs "
+                f"{tuple(want.shape)})"
+            )
 
 
 def restore_state_part(workdir: str | Path, part: str, step: int | None = None) -> tuple[Any, int]:
@@ -240,14 +381,12 @@ def restore_state_part(workdir: str | Path, part: str, step: int | None = None) 
     this is how inference reads the parameters' moving average of a run.
     """
     step = _pick_step(workdir, "last", step)
+    _ignore_closed_loop_reports()
     directory = (Path(workdir) / _DIRS["last"] / str(step) / "state").absolute()
     try:
         stored = ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
     except Exception as e:  # unreadable metadata: truncated, deleted, foreign
-        raise CheckpointError(
-            f"the checkpoint at step {step} in {workdir} is unreadable "
-            f"({type(e).__name__}: {str(e)[:300]})"
-        ) from e
+        raise unreadable(workdir, "last", step, e) from e
     if part not in stored:
         raise CheckpointError(
             f"the checkpoint at step {step} in {workdir} has no {part!r} (it has "
@@ -264,6 +403,8 @@ def restore_state_part(workdir: str | Path, part: str, step: int | None = None) 
                 )
             ),
         )
+    except Exception as e:
+        raise unreadable(workdir, "last", step, e) from e
     finally:
         manager.close()
     return restored["state"][part], step

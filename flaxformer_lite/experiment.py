@@ -213,6 +213,10 @@ class TrainConfig(Section):
         "update with 1/k of the activation memory)", rule=POSITIVE,
     )  # fmt: skip
     log_every: int = option(50, "steps between logged measurements", rule=POSITIVE)
+    log_examples: bool = option(
+        False, "write each step's training example ids to examples.jsonl (audits the data "
+        "order over resumes; ids of process 0's rows)",
+    )  # fmt: skip
     eval_every: int = option(1000, "steps between validations", rule=POSITIVE)
     checkpoint_every: int = option(1000, "steps between checkpoints", rule=POSITIVE)
     keep_checkpoints: int = option(5, "last checkpoints kept", rule=POSITIVE)

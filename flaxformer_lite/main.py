@@ -28,6 +28,9 @@ the run's ``decode`` section.
 
 from __future__ import annotations
 
+import errno
+import logging as std_logging
+import os
 import re
 import sys
 
@@ -88,6 +91,9 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "generate: sample from the k likeliest
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass (1 = off).")
 _SEED = flags.DEFINE_integer("seed", 0, "generate: sampling seed (the same seed, the same texts).")
 
+_DEBUG = flags.DEFINE_bool(
+    "debug", False, "on an error, print its traceback and the libraries' error logs too."
+)
 _SWEEP = flags.DEFINE_multi_string(
     "sweep",
     [],
@@ -128,6 +134,8 @@ def main(argv: list[str]) -> None:
 
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax/absl INFO and WARNING lines are noise here
+    if not _DEBUG.value:  # orbax logs each error it raises, with its traceback; we report it
+        logging.get_absl_logger().addFilter(_NotFromOrbax())
     command = argv[1] if len(argv) > 1 else "train"
     if command not in COMMANDS or (len(argv) > 2 and command not in TAKES_TEXT):
         _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
@@ -210,16 +218,43 @@ def main(argv: list[str]) -> None:
         PrepareError,
         SweepError,
         TranslateError,
-        FileNotFoundError,
+        OSError,
         ValueError,
     ) as e:
+        if _DEBUG.value:
+            raise
         if isinstance(e, PeerLostError):
-            import os
-
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)  # not sys.exit: JAX's shutdown at exit would wait for the lost peer
+        if isinstance(e, OSError) and e.strerror:
+            _fail(_os_error(e))
         _fail(str(e))
+    except Exception as e:
+        if _DEBUG.value:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        _fail(
+            f"{type(e).__name__}: {first} (unexpected: rerun with --debug for the traceback, "
+            "and please report it)"
+        )
+
+
+def _os_error(e: OSError) -> str:
+    """``cannot write PATH (No space left on device); ...`` with what to do."""
+    where = f" {e.filename}" if e.filename else ""
+    text = f"{e.strerror}:{where}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+        text += (
+            "; free space or choose a writable location, then rerun the same command "
+            "(training resumes from its newest checkpoint)"
+        )
+    return text
+
+
+class _NotFromOrbax(std_logging.Filter):
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 def _sweep(decode_options: dict) -> None:
@@ -261,11 +296,14 @@ def _from_config_flags(error: BaseException) -> bool:
     return False
 
 
-def run() -> None:
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser with one ``error:`` line for a bad flag or config override."""
     try:
-        app.run(main)
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e}; `python -m flaxformer_lite.main --helpfull` lists the flags")
     except (AttributeError, KeyError) as e:
-        if not _from_config_flags(e):
+        if not _from_config_flags(e) or "--debug" in argv:
             raise
         text = str(e.args[0]) if e.args else str(e)
         field = re.search(r"[A-Za-z_]\w*", text)
@@ -275,6 +313,10 @@ def run() -> None:
             + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
             + "; `python -m flaxformer_lite.main fields` lists the fields"
         )
+
+
+def run() -> None:
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

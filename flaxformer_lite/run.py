@@ -24,6 +24,7 @@ Layout of a workdir: see :mod:`flaxformer_lite.checkpoints`.
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +134,45 @@ class Run:
         """(parameters the run evaluates with, step) of a checkpoint on one device.
 
         ``kind``: averaged | best | last (default: :meth:`newest_kind`); ``step``:
-        one of that kind's kept steps (default: the newest). From a ``last``
-        checkpoint of a run with a parameter EMA this is the moving average.
+        one of that kind's kept steps (default: the newest readable one, see
+        :meth:`newest_params`). From a ``last`` checkpoint of a run with a parameter
+        EMA this is the moving average.
         """
-        kind = kind or self.newest_kind()
+        if step is not None:
+            return self._read(kind or self.newest_kind(), step)
+        params, _, step = self.newest_params(kind)
+        return params, step
+
+    def newest_params(self, kind: str | None = None) -> tuple[Any, str, int]:
+        """(parameters, kind, step) of the newest checkpoint that can be read: of
+        ``kind``, or of the kinds in :data:`PREFERENCE` order. One that cannot (a
+        truncated or deleted file, another model's shapes) is named in a warning on
+        standard error and the one before it is used; none readable is an error."""
+        if kind is not None and kind not in PREFERENCE:
+            raise ckpt_lib.CheckpointError(
+                f"checkpoint kind {kind!r}; choose one of {', '.join(PREFERENCE)}"
+            )
+        kinds = [kind] if kind else [k for k in PREFERENCE if self.steps(k)]
+        if not kinds:
+            self.newest_kind()  # raises: no checkpoint yet
+        if not self.steps(kinds[0]):
+            self._read(kinds[0], None)  # raises: no checkpoint of this kind
+        errors = []
+        for k in kinds:
+            for step in reversed(self.steps(k)):
+                try:
+                    params, step = self._read(k, step)
+                except ckpt_lib.CheckpointError as e:
+                    print(f"warning: {e}; trying the checkpoint before it", file=sys.stderr)
+                    errors.append(e)
+                    continue
+                return params, k, step
+        raise ckpt_lib.CheckpointError(
+            f"no checkpoint in {self.workdir} can be read ({len(errors)} tried; the newest: "
+            f"{errors[0]}); use the config that trained it, or train again"
+        )
+
+    def _read(self, kind: str, step: int | None) -> tuple[Any, int]:
         if kind not in PREFERENCE:
             raise ckpt_lib.CheckpointError(
                 f"checkpoint kind {kind!r}; choose one of {', '.join(PREFERENCE)}"
@@ -155,6 +191,7 @@ class Run:
                 "its parameters, though its config has optimizer.ema_decay > 0; the folder "
                 "mixes runs: use the config it was trained with"
             )
+        ckpt_lib.check_shapes(ema, target, f"the last checkpoint of step {step} in {self.workdir}")
         return jax.tree.map(lambda e, t: jnp.asarray(e, t.dtype), ema, target), step
 
 

@@ -102,8 +102,7 @@ class Translator:
         ``"@STEP"`` (a kept checkpoint of this or that run, e.g. two seeds or the
         last checkpoints of one run). Members must share the model config and tokenizer."""
         run = Run.open(workdir)
-        kind = kind or run.newest_kind()
-        params, step = run.params(kind)
+        params, kind, step = run.newest_params(kind)
         kwargs.setdefault("decode", run.config.decode)
         translator = cls(run.model(), params, run.tokenizer, **kwargs)
         translator.checkpoint = f"{kind} checkpoint, step {step}"
@@ -150,8 +149,7 @@ class Translator:
                 params, step = member.params("last", int(step_text))
                 names.append(f"{member_dir}@{step}")
             else:
-                kind = member.newest_kind()
-                params, step = member.params(kind)
+                params, kind, step = member.newest_params()
                 names.append(f"{member_dir} ({kind}, step {step})")
             members.append(params)
         self.params = tuple(members)

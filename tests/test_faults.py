@@ -1,10 +1,15 @@
-"""Faults done for real on a :debug training subprocess: SIGKILL inside a checkpoint
-save, SIGTERM (preemption), and Ctrl-C twice; each run then resumes to the end."""
+"""Faults done for real on :debug training subprocesses: SIGKILL at several moments
+(one inside a checkpoint save), SIGTERM (preemption), Ctrl-C twice, unreadable
+checkpoints, a second run on a held workdir, a full and a read-only disk. Each
+faulted run must end as an uninterrupted one does: the same per-step losses, the
+same examples in every step, bit-identical parameters."""
 
 import json
 import os
 import pathlib
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,10 +19,13 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
+from flaxformer_lite.evaluation import evaluate_workdir
 from flaxformer_lite.training.state import abstract_train_state
+from flaxformer_lite.translate import Translator
 from tests.fixtures import debug_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 12  # checkpoints at 3, 6, 9, 12; the first epoch (105 pairs) ends at step 7
 
 
 def _command(fixture_data, workdir, num_steps, checkpoint_every=3):
@@ -36,6 +44,7 @@ def _command(fixture_data, workdir, num_steps, checkpoint_every=3):
         f"--config.train.checkpoint_every={checkpoint_every}",
         "--config.train.eval_bleu_sentences=0",
         "--config.train.log_every=1",
+        "--config.train.log_examples=true",
     ]
 
 
@@ -44,7 +53,7 @@ def _env(fixture_data):
     return dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), JAX_PLATFORMS="cpu")
 
 
-def _run(fixture_data, workdir, num_steps):
+def _run(fixture_data, workdir, num_steps=STEPS, expect=0):
     out = subprocess.run(
         _command(fixture_data, workdir, num_steps),
         cwd=ROOT,
@@ -53,7 +62,7 @@ def _run(fixture_data, workdir, num_steps):
         text=True,
         check=False,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == expect, out.stderr[-3000:]
     return out
 
 
@@ -79,6 +88,20 @@ def _start_and_train(fixture_data, workdir, steps: int):
     return proc
 
 
+def _kill_when(fixture_data, workdir, ready, moment: str):
+    """Start a run of STEPS steps and SIGKILL it as soon as ``ready()`` holds."""
+    proc = _start(fixture_data, workdir, STEPS)
+    deadline = time.monotonic() + 180
+    while proc.poll() is None:
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            break
+        assert time.monotonic() < deadline, f"the run never reached {moment}"
+        time.sleep(0.0005)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before {moment}"
+
+
 def _train_steps_logged(workdir) -> int:
     path = workdir / "metrics.jsonl"
     if not path.exists():
@@ -86,10 +109,36 @@ def _train_steps_logged(workdir) -> int:
     return sum('"split": "train"' in line for line in path.read_text().splitlines())
 
 
-def _final_params(fixture_data, workdir):
+def _saving(folder):
+    return lambda: (
+        folder.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in folder.iterdir())
+    )
+
+
+def _losses(workdir) -> dict[int, float]:
+    """Each step's training loss; a step trained again after a restart must repeat it."""
+    losses: dict[int, float] = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["split"] == "train":
+            assert losses.setdefault(r["step"], r["loss"]) == r["loss"], r["step"]
+    return losses
+
+
+def _examples(workdir) -> dict[int, list[int]]:
+    """Each step's example ids (epoch << 32 | index); a step trained again after a
+    restart must see the same examples."""
+    seen: dict[int, list[int]] = {}
+    for line in (workdir / "examples.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        assert seen.setdefault(r["step"], r["ids"]) == r["ids"], f"step {r['step']}"
+    return seen
+
+
+def _final_params(fixture_data, workdir, step=STEPS):
     target = abstract_train_state(debug_config(fixture_data[1])).params
-    params, step = ckpt_lib.restore_params(workdir, target, "last")
-    return params, step
+    params, restored = ckpt_lib.restore_params(workdir, target, "last", step)
+    return params, restored
 
 
 def _assert_same_params(a, b):
@@ -97,31 +146,114 @@ def _assert_same_params(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_sigkill_inside_a_checkpoint_save_resumes(fixture_data, tmp_path):
+def _assert_reproduces(fixture_data, run, straight):
+    """``run`` (faulted, restarted) ended exactly as the uninterrupted ``straight``:
+    losses, the examples of every step (none twice in an epoch, none skipped), and
+    the final parameters bit for bit."""
+    assert _losses(run) == _losses(straight)
+    seen = _examples(run)
+    assert seen == _examples(straight) and sorted(seen) == list(range(1, STEPS + 1))
+    by_epoch: dict[int, list[int]] = {}
+    for step in sorted(seen):
+        for i in seen[step]:
+            by_epoch.setdefault(i >> 32, []).append(i & 0xFFFFFFFF)
+    assert len(by_epoch) == 2  # the run crossed an epoch's end
+    assert sorted(by_epoch[0]) == list(range(len(by_epoch[0])))  # each example once
+    assert len(set(by_epoch[1])) == len(by_epoch[1])
+    _assert_same_params(
+        _final_params(fixture_data, straight)[0], _final_params(fixture_data, run)[0]
+    )
+
+
+@pytest.fixture(scope="module")
+def straight(fixture_data, tmp_path_factory):
+    """The uninterrupted run every faulted one is compared with."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    _run(fixture_data, run)
+    return run
+
+
+def test_sigkill_inside_a_checkpoint_save_resumes(fixture_data, straight, tmp_path):
     """The kill lands while orbax writes step 3 (its temporary folder exists); the next
-    start removes the half-written folder and resumes, and the finished run equals an
-    uninterrupted one bit for bit."""
-    straight = tmp_path / "straight"
-    _run(fixture_data, straight, 6)
+    start takes over the dead run's lock, removes the half-written folder and trains
+    from the start, ending as the uninterrupted run did."""
     run = tmp_path / "killed"
-    proc = _start(fixture_data, run, 6)
-    folder = run / "checkpoints"
-    deadline = time.monotonic() + 180
-    while proc.poll() is None:
-        if folder.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in folder.iterdir()):
-            proc.send_signal(signal.SIGKILL)
-            break
-        assert time.monotonic() < deadline, "no checkpoint save began"
-        time.sleep(0.0005)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before the kill landed"
-    assert any(".orbax-checkpoint-tmp" in p.name for p in folder.iterdir())
-    out = _run(fixture_data, run, 6)
+    _kill_when(fixture_data, run, _saving(run / "checkpoints"), "a checkpoint save")
+    assert _saving(run / "checkpoints")()
+    out = _run(fixture_data, run)
+    assert "took over" in out.stdout and "a run that ended without releasing it" in out.stdout
     assert "an incomplete checkpoint of an interrupted save" in out.stdout
-    a, step_a = _final_params(fixture_data, straight)
-    b, step_b = _final_params(fixture_data, run)
-    assert step_a == step_b == 6
-    _assert_same_params(a, b)
+    _assert_reproduces(fixture_data, run, straight)
+
+
+@pytest.mark.slow
+def test_sigkill_at_other_moments_resumes(fixture_data, straight, tmp_path):
+    """Killed before the first checkpoint, right after one completes, and between two;
+    each restart resumes from the newest complete checkpoint."""
+    run = tmp_path / "killed"
+    folder = run / "checkpoints"
+    _kill_when(fixture_data, run, lambda: _train_steps_logged(run) >= 1, "its first step")
+    assert not ckpt_lib.steps(run)
+    _kill_when(fixture_data, run, lambda: (folder / "6").is_dir(), "checkpoint 6")
+    _kill_when(fixture_data, run, lambda: _train_steps_logged(run) >= 17, "step 10")
+    assert ckpt_lib.steps(run)[-1] == 9
+    out = _run(fixture_data, run)
+    assert "resumed from step 9" in out.stdout
+    _assert_reproduces(fixture_data, run, straight)
+
+
+def _truncate_arrays(folder: pathlib.Path) -> None:
+    """Cut every array data file of a checkpoint to 100 bytes (a write cut short)."""
+    files = [p for p in folder.rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files
+    for path in files:
+        with open(path, "r+b") as f:
+            f.truncate(100)
+
+
+def test_an_unreadable_checkpoint_falls_back_to_the_one_before(
+    fixture_data, straight, tmp_path, capsys
+):
+    """Truncated files and a missing item: translate/evaluate and the resume take the
+    newest checkpoint they can read, with a warning naming each bad one; a resume
+    from there ends as the uninterrupted run did; none readable is one clear error."""
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    best = ckpt_lib.steps(run, "best")[-1]
+    _truncate_arrays(run / "checkpoints_best" / str(best))
+    _truncate_arrays(run / "checkpoints" / "12")
+    shutil.rmtree(run / "checkpoints" / "9" / "data")  # the data position: training needs it
+
+    translator = Translator.from_workdir(run)
+    err = capsys.readouterr().err
+    assert f"the best checkpoint of step {best} in {run} cannot be read" in err
+    assert f"the last checkpoint of step 12 in {run} cannot be read" in err
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    assert translator.checkpoint == "last checkpoint, step 9"  # its parameters are whole
+    assert len(translator.translate(["Wo ist der Bahnhof?", "", "Komm her!"], beam_size=1)) == 3
+    scores = evaluate_workdir(run, "validation", limit=4, beam_size=1)
+    assert np.isfinite(scores.bleu)
+
+    out = _run(fixture_data, run)
+    assert "the last checkpoint of step 12" in out.stdout and "step 9" in out.stdout
+    assert "resumed from step 6" in out.stdout and "Traceback" not in out.stderr
+    assert (run / "checkpoints" / "12.unreadable").is_dir()  # kept for a look, not used
+    _assert_reproduces(fixture_data, run, straight)
+
+    # Shapes of another model: nothing can be read, and that is one error.
+    other = debug_config(fixture_data[1])
+    other.model.d_ff = 24
+    checkpoints = ckpt_lib.Checkpoints(run)
+    with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint in .* can be read"):
+        checkpoints.restore(abstract_train_state(other))
+    checkpoints.close()
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["d_ff"] = 24
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ckpt_lib.CheckpointError, match=r"no checkpoint in .* can be read \(\d+ tried"
+    ):
+        Translator.from_workdir(run)
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(fixture_data, tmp_path):
@@ -129,6 +261,14 @@ def test_sigterm_checkpoints_and_exits_cleanly(fixture_data, tmp_path):
     resume command and exits 0; resuming reaches the end like an uninterrupted run."""
     run = tmp_path / "run"
     proc = _start_and_train(fixture_data, run, steps=4)
+    # One writer per workdir: a second run refuses, naming the holder.
+    second = _run(fixture_data, run, expect=1)
+    assert second.stderr.strip().splitlines() == [
+        f"error: {run} is in use by another training run: PID {proc.pid} on host "
+        f"{socket.gethostname()} (since {second.stderr.split('(since ')[1].split(')')[0]}); "
+        f"wait for it to finish, stop it (kill -TERM {proc.pid} saves a checkpoint first), "
+        "or train in another --workdir"
+    ]
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -163,3 +303,69 @@ def test_a_second_ctrl_c_stops_at_once_and_the_newest_checkpoint_survives(fixtur
     newest = ckpt_lib.steps(run)[-1]
     resumed = _run(fixture_data, run, newest + 1)
     assert f"resumed from step {newest}" in resumed.stdout
+
+
+def _mount_tmpfs(path: pathlib.Path, size: str, options: str = "") -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    command = ["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(path)]
+    return subprocess.run(command, capture_output=True, check=False).returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 8 MiB tmpfs (a real filesystem that fills up); skipped where mounting is not
+    allowed (not root), where the mocked ENOSPC test below still runs."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "8m"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_stops_with_one_message_and_keeps_the_last_checkpoint(fixture_data, small_disk):
+    from flaxformer_lite.training.train import train_and_evaluate
+
+    run = small_disk / "run"
+    train_and_evaluate(debug_config(fixture_data[1], num_steps=3, checkpoint_every=3), run)
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(b"\0" * (free - 60_000))
+    config = debug_config(fixture_data[1], num_steps=9, checkpoint_every=3)
+    with pytest.raises(ckpt_lib.CheckpointError) as e:
+        train_and_evaluate(config, run)
+    assert "(No space left on device)" in str(e.value) and "step 6" in str(e.value)
+    assert "the checkpoint of step 3 is intact" in str(e.value)
+    for kind in ("checkpoints", "checkpoints_best"):  # no half-written step left behind
+        assert sorted(p.name for p in (run / kind).iterdir()) == ["3"]
+    (small_disk / "filler").unlink()
+    metrics = train_and_evaluate(config, run)
+    assert metrics["step"] == 9 and metrics["trained_steps"] == 6
+    # A read-only filesystem: refused before anything is read or written.
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    with pytest.raises(Exception, match=r"cannot write to --workdir=.*\(Read-only file system\)"):
+        train_and_evaluate(config.copy_and_resolve_references(), run)
+
+
+def test_a_failed_checkpoint_write_is_cleaned_up(fixture_data, tmp_path, monkeypatch):
+    """The same guarantee without a tmpfs: orbax's write fails with ENOSPC halfway
+    through step 6 (a partial folder exists); the error names it, the folder goes."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    from flaxformer_lite.training.train import train_and_evaluate
+
+    run = tmp_path / "run"
+    save = ocp.CheckpointManager.save
+
+    def failing_save(self, step, *args, **kwargs):
+        if step == 6:
+            (pathlib.Path(self.directory) / "6.orbax-checkpoint-tmp-123").mkdir()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing_save)
+    config = debug_config(fixture_data[1], num_steps=6, checkpoint_every=3, eval_every=100)
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"step 6 .*No space left on device"):
+        train_and_evaluate(config, run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["3"]
+    assert ckpt_lib.restore_params(run, abstract_train_state(config).params, "last")[1] == 3

@@ -253,6 +253,9 @@ class PackedTrainDataset(grain.IterDataset):
 
     ``resample``, if given, maps an epoch to that epoch's examples (the same pairs
     in the same order, e.g. a :class:`SubwordSampler`); it is called once per epoch.
+    ``ids=(offset, stride)`` adds ``example_ids`` to every batch: ``[rows, max_length]``
+    ids ``offset + stride * index`` of the examples packed in each row (-1 after them)
+    plus ``epoch * 2**32``, for auditing the data order (pop it before the model).
     """
 
     def __init__(
@@ -264,9 +267,11 @@ class PackedTrainDataset(grain.IterDataset):
         seed: int,
         pack: bool,
         resample=None,
+        ids: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.examples = examples
+        self.ids = ids
         self.resample = resample
         self._epoch_cache: tuple[int, list, np.ndarray] | None = None
         self.keys = tuple(examples[0])  # ("inputs", "targets") or ("targets",) for an LM
@@ -318,6 +323,12 @@ class PackedTrainDataset(grain.IterDataset):
             out[key] = tokens
             if self.pack:
                 out[f"{key}_segment_ids"], out[f"{key}_positions"] = seg, pos
+        if self.ids is not None:
+            offset, stride = self.ids
+            ids = np.full(shape, -1, np.int64)
+            for r, row in enumerate(rows):
+                ids[r, : len(row)] = [(epoch << 32) + offset + stride * i for i in row]
+            out["example_ids"] = ids
         return out
 
     def __iter__(self) -> PackedBatchIterator:
@@ -336,6 +347,7 @@ def train_iterator(
     prefetch: int = 4,
     resample=None,
     shards: int = 0,
+    example_ids: bool = False,
 ):
     """An endless, checkpointable iterator of training batches (reshuffled every epoch).
 
@@ -347,7 +359,8 @@ def train_iterator(
     the processes' rows in process order -- depends on ``shards`` only, not on how
     many processes read them. ``pack=False`` gives one pair per padded row (the
     baseline that packing is tested against). ``resample`` (epoch -> all examples,
-    e.g. a :class:`SubwordSampler`) is sharded the same way.
+    e.g. a :class:`SubwordSampler`) is sharded the same way. ``example_ids`` adds each
+    batch's example ids (indices into ``examples``, see :class:`PackedTrainDataset`).
     """
     shards = shards or process_count
     if shards % process_count or batch_size % (shards // process_count):
@@ -377,6 +390,7 @@ def train_iterator(
             seed=seed,
             pack=pack,
             resample=shard_resample,
+            ids=(s, shards) if example_ids else None,
         )
         if prefetch > 0:
             ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)

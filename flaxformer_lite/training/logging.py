@@ -41,6 +41,7 @@ class MetricsLogger:
         self.start_time = time.perf_counter()
         self.start_step: int | None = None
         self.tty = sys.stdout.isatty()
+        self.examples_file = None
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
         if not self.enabled:
@@ -52,6 +53,17 @@ class MetricsLogger:
             if isinstance(value, int | float) and math.isfinite(value):
                 self.tb.add_scalar(f"{prefix}/{key}", value, step)
         self.tb.flush()
+
+    def examples(self, step: int, example_ids) -> None:
+        """One ``examples.jsonl`` line: the step and the ids of the examples it trained
+        on (``train.log_examples``; ``epoch * 2**32 + index``, in row order)."""
+        if not self.enabled:
+            return
+        if self.examples_file is None:
+            self.examples_file = open(self.workdir / "examples.jsonl", "a")
+        ids = [int(i) for i in example_ids.ravel() if i >= 0]
+        self.examples_file.write(json.dumps({"step": step, "ids": ids}) + "\n")
+        self.examples_file.flush()
 
     def progress(self, step: int, metrics: dict[str, float]) -> None:
         """``step 120/3000 [###.......] loss 4.31 acc 0.31 12.3k tok/s ETA 9:41``."""
@@ -78,6 +90,8 @@ class MetricsLogger:
         print(("\n" if self.tty else "") + text, flush=True)
 
     def close(self) -> None:
+        if self.examples_file:
+            self.examples_file.close()
         if self.jsonl:
             self.jsonl.close()
         if self.tb:

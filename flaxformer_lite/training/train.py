@@ -24,6 +24,7 @@ from flaxformer_lite.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.partitioning import MeshError, check_model
 from flaxformer_lite.run import read_config
 from flaxformer_lite.training import distributed, flops, losses, preemption, schedules
+from flaxformer_lite.training.lock import WorkdirBusyError, WorkdirLock
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (
@@ -90,10 +91,22 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     (1.0 when ``train.max_minutes`` stopped it before ``train.num_steps``, else 0.0).
     """
     config = ExperimentConfig.from_config(config)  # checked before any data is read
-    model_config = config.model
     wall_start = time.perf_counter()
     workdir = Path(workdir)
     _check_workdir(config, workdir)
+    try:
+        lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)
+        lock.__enter__()
+    except WorkdirBusyError as e:
+        raise TrainingError(str(e)) from None
+    try:
+        return _train(config, workdir, wall_start)
+    finally:
+        lock.__exit__()
+
+
+def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[str, float]:
+    model_config = config.model
     t, d = config.train, config.data
     try:
         par = Parallel(t.parallelism, t.mesh)
@@ -160,6 +173,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         shards=d.shards,
+        example_ids=t.log_examples,
         resample=pipeline.SubwordSampler(
             data.train_texts, data.train, data.tokenizer, d.subword_alpha, d.max_length, t.seed
         )
@@ -231,6 +245,7 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     try:
         for step in range(first, t.num_steps + 1):
             batch = next(iterator)
+            example_ids = batch.pop("example_ids", None)
             # This process's rows, times the processes: every process packs as many rows
             # of the same length, so the global count differs from this by packing only.
             window_tokens += int((batch["targets"] != 0).sum()) * jax.process_count()
@@ -255,6 +270,8 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
             state, metrics = p_train(state, par.put_batch(batch), lr_factor)
             if step == first:
                 distributed.WATCHDOG.start()  # several processes: stop if a peer dies
+            if example_ids is not None:
+                logger.examples(step, example_ids)
             # Every process must stop at the same step: the chief's clock decides (checked
             # at logging steps when there are several processes, to spare a collective).
             out_of_time = (
