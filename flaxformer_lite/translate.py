@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import flax.linen as nn
@@ -156,24 +157,32 @@ class Translator:
         self.checkpoint += f"; ensemble of {len(members)} with " + ", ".join(names)
 
     # Encoding ---------------------------------------------------------------------------
-    def _encode(self, sentences: Sequence[str]) -> list[np.ndarray]:
+    def _encode(self, sentences: Sequence[str], report: Counter | None) -> list[np.ndarray]:
         limit = self.config.max_len
-        out = []
+        out, too_long = [], []
         for i, s in enumerate(sentences):
             if not isinstance(s, str):
                 raise TranslateError(f"sentence {i} is {type(s).__name__}, not a string")
-            ids = self.tokenizer.encode(s.strip())
+            ids = self.tokenizer.encode(one_line(s).strip())
             if len(ids) > limit:
                 if self.too_long == "refuse":
                     raise TranslateError(
                         f"sentence {i} has {len(ids)} tokens, more than model.max_len={limit}; "
                         "shorten it or use too_long='truncate'"
                     )
-                warnings.warn(
-                    f"sentence {i} has {len(ids)} tokens; truncated to {limit}", stacklevel=3
-                )
+                too_long.append((i, len(ids)))
                 ids = np.append(ids[: limit - 1], self.config.eos_id).astype(np.int32)
             out.append(ids)
+        if too_long and report is not None:
+            report["truncated"] += len(too_long)
+        elif too_long:
+            i, n = too_long[0]
+            warnings.warn(
+                f"{len(too_long)} of {len(sentences)} sentences have more than "
+                f"model.max_len={limit} pieces (the first: sentence {i}, {n} pieces); each is "
+                f"translated from its first {limit - 1}",
+                stacklevel=3,
+            )
         return out
 
     def _batches(self, encoded: list[np.ndarray]):
@@ -198,8 +207,13 @@ class Translator:
         no_repeat_ngram: int | None = None,
         min_length_ratio: float | None = None,
         max_length_ratio: float | None = None,
+        report: Counter | None = None,
     ) -> list[str]:
-        """Translations of ``sentences`` (empty or blank sentences give '').
+        """Translations of ``sentences``, one per sentence, in order (empty or blank
+        sentences give ''; line breaks and other control characters inside a sentence
+        count as spaces; one longer than ``model.max_len`` pieces is translated from its
+        first pieces, see ``too_long``). With ``report`` (a Counter) the blank and
+        truncated sentences are counted there instead of warned about.
 
         An option left at None takes its value from ``self.decode``.
 
@@ -241,18 +255,21 @@ class Translator:
             )
         bounded = bool(min_length_ratio or max_length_ratio)
         results = [""] * len(sentences)
-        todo = [i for i, s in enumerate(sentences) if isinstance(s, str) and s.strip()]
+        todo = [i for i, s in enumerate(sentences) if isinstance(s, str) and one_line(s).strip()]
         if len(todo) < len(sentences):
             bad = [i for i, s in enumerate(sentences) if not isinstance(s, str)]
             if bad:
                 raise TranslateError(f"sentence {bad[0]} is not a string")
-            blank = [i for i, s in enumerate(sentences) if not s.strip()]
+            blank = [i for i, s in enumerate(sentences) if not one_line(s).strip()]
+        if len(todo) < len(sentences) and report is not None:
+            report["empty"] += len(blank)
+        elif len(todo) < len(sentences):
             warnings.warn(
                 f"{len(blank)} of {len(sentences)} sentences are empty or blank (the first is "
                 f"sentence {blank[0]}); each translates to '' so the outputs stay in line",
                 stacklevel=2,
             )
-        encoded = self._encode([sentences[i] for i in todo])
+        encoded = self._encode([sentences[i] for i in todo], report)
         c = self.config
         for idx, rows, longest in self._batches(encoded):
             limit = max_length or min(longest + d.max_extra, c.max_len)
@@ -304,6 +321,7 @@ class Translator:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        first_index: int = 0,
     ) -> list[str]:
         """Continuations of ``prompts`` by a language-model run (one text per prompt).
 
@@ -311,7 +329,9 @@ class Translator:
         (default: 50, or ``model.max_len - 1`` if smaller) pieces are sampled until
         EOS (the LM's end of a training line).
         ``temperature=0`` is greedy; ``top_k`` > 0 and ``top_p`` < 1 filter the
-        distribution first. The same ``seed`` gives the same texts. An empty prompt
+        distribution first. The same ``seed`` gives the same texts (``first_index``:
+        the first prompt's index in a longer stream cut into calls, whose texts are
+        then those of one call when the cuts fall on whole batches). An empty prompt
         samples from scratch. A prompt too long for ``model.max_len`` keeps its
         last pieces (with a warning) or is refused (``too_long='refuse'``).
         """
@@ -338,7 +358,8 @@ class Translator:
         for i, p in enumerate(prompts):
             if not isinstance(p, str):
                 raise TranslateError(f"prompt {i} is {type(p).__name__}, not a string")
-            ids = self.tokenizer.encode(p.strip(), add_eos=False) if p.strip() else []
+            p = one_line(p).strip()
+            ids = self.tokenizer.encode(p, add_eos=False) if p else []
             if len(ids) > room:
                 if self.too_long == "refuse":
                     raise TranslateError(
@@ -368,7 +389,7 @@ class Translator:
                 max_length=length,
                 eos_id=c.eos_id,
                 bos_id=c.bos_id,
-                rng=jax.random.fold_in(jax.random.key(seed), start),
+                rng=jax.random.fold_in(jax.random.key(seed), first_index + start),
                 temperature=float(temperature),
                 top_k=top_k,
                 top_p=float(top_p),
@@ -380,6 +401,21 @@ class Translator:
         return results
 
 
+CHUNK = 1024  # lines read, translated and written at a time (a multiple of batch sizes)
+
+# Characters that end a line for str.splitlines() or a terminal, besides "\n": inside a
+# line they would split one input or output line into several.
+_BREAKS = dict.fromkeys(
+    [*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F, 0x85, 0x2028, 0x2029], " "
+)
+
+
+def one_line(text: str) -> str:
+    """``text`` with tabs kept and other control characters and line or paragraph
+    separators replaced by spaces: one line in, one line out."""
+    return text.translate(_BREAKS)
+
+
 def main(
     workdir: str,
     sentences: list[str],
@@ -387,28 +423,87 @@ def main(
     ensemble: Sequence[str] = (),
     **options,
 ) -> int:
-    """``main translate``: one translation per sentence, one line each (``options``:
-    beam_size, alpha, no_repeat_ngram, min/max_length_ratio as in
-    ``Translator.translate``; None = the run's ``decode`` section)."""
+    """``main translate``: one output line per input line, in order, written as each
+    chunk of :data:`CHUNK` lines is translated (``options``: beam_size, alpha,
+    no_repeat_ngram, min/max_length_ratio as in ``Translator.translate``; None = the
+    run's ``decode`` section). Empty lines give empty lines; invalid UTF-8 is replaced
+    (U+FFFD); a line over ``model.max_len`` pieces is translated from its first
+    pieces; one warning at the end counts each kind."""
     translator = Translator.from_workdir(workdir, ensemble=ensemble)
-    sentences = _read_lines(sentences, input_file, "sentences")
-    for line in translator.translate(sentences, **options):
-        print(line)
+    report: Counter = Counter()
+    for chunk in _chunks(read_lines(sentences, input_file, "sentences", report)):
+        for line in translator.translate(chunk, report=report, **options):
+            print(one_line(line))
+        sys.stdout.flush()
+    _summary(report, "lines", translator.config.max_len)
     return 0
 
 
-def _read_lines(given: list[str], input_file: str | None, what: str) -> list[str]:
-    """The command's texts: its arguments, else ``--input``'s lines, else standard input's."""
+def read_lines(
+    given: list[str], input_file: str | None, what: str, report: Counter
+) -> Iterator[str]:
+    """The command's texts, one at a time: its arguments, else ``--input``'s lines,
+    else standard input's. Lines end at "\n" only (and a "\r" before it); the last may
+    lack one. Bytes that are not UTF-8 become U+FFFD, counted in ``report``."""
+    if given and not input_file:
+        report["lines"] += len(given)
+        yield from given
+        return
     if input_file:
         try:
-            return Path(input_file).read_text(encoding="utf-8").splitlines()
+            stream = open(input_file, "rb")  # noqa: SIM115 (closed below)
         except OSError as e:
             raise TranslateError(f"cannot read --input={input_file} ({e.strerror})") from e
-    if given:
-        return given
-    if sys.stdin.isatty():
-        print(f"reading {what} from standard input, one per line (Ctrl-D ends)", file=sys.stderr)
-    return [line.rstrip("\n") for line in sys.stdin]
+    else:
+        if sys.stdin.isatty():
+            print(
+                f"reading {what} from standard input, one per line (Ctrl-D ends)",
+                file=sys.stderr,
+            )
+        stream = sys.stdin.buffer
+    try:
+        for raw in stream:
+            report["lines"] += 1
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError:
+                report["invalid_utf8"] += 1
+                report.setdefault("first_invalid", report["lines"])
+                yield raw.decode("utf-8", "replace")
+    finally:
+        if input_file:
+            stream.close()
+
+
+def _chunks(lines: Iterator[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) == CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _summary(report: Counter, unit: str, max_len: int) -> None:
+    notes = []
+    if report["empty"]:
+        notes.append(f"{report['empty']} empty or blank (empty lines out)")
+    if report["truncated"]:
+        notes.append(
+            f"{report['truncated']} longer than model.max_len={max_len} pieces (translated "
+            f"from their first {max_len - 1})"
+        )
+    if report["invalid_utf8"]:
+        notes.append(
+            f"{report['invalid_utf8']} not valid UTF-8 (bad bytes replaced by U+FFFD; the "
+            f"first: line {report['first_invalid']})"
+        )
+    if notes:
+        print(f"warning: of {report['lines']} {unit}, " + "; ".join(notes), file=sys.stderr)
 
 
 def generate_main(
@@ -418,10 +513,16 @@ def generate_main(
     ensemble: Sequence[str] = (),
     **options,
 ) -> int:
-    """``main generate``: one continuation per prompt, one line each (``options``:
-    max_new_tokens, temperature, top_k, top_p, seed as in ``Translator.generate``)."""
+    """``main generate``: one continuation per prompt, one line each, in order, chunk
+    by chunk like ``translate`` (``options``: max_new_tokens, temperature, top_k,
+    top_p, seed as in ``Translator.generate``)."""
     generator = Translator.from_workdir(workdir, ensemble=ensemble)
-    prompts = _read_lines(prompts, input_file, "prompts")
-    for text in generator.generate(prompts, **options):
-        print(text)
+    report: Counter = Counter()
+    done = 0
+    for chunk in _chunks(read_lines(prompts, input_file, "prompts", report)):
+        for text in generator.generate(chunk, first_index=done, **options):
+            print(one_line(text))
+        sys.stdout.flush()
+        done += len(chunk)
+    _summary(report, "prompts", generator.config.max_len)
     return 0

@@ -84,7 +84,7 @@ def test_bad_input_messages(run, monkeypatch):
     with pytest.raises(TranslateError, match="sentence 1 is not a string"):
         t.translate(["a", 3])
     long = "This is sentence number 123456789. " * 20
-    with pytest.warns(UserWarning, match="truncated to 32"):
+    with pytest.warns(UserWarning, match="1 of 1 sentences have more than model.max_len=32"):
         assert isinstance(t.translate([long], beam_size=1)[0], str)
     strict = Translator.from_workdir(workdir, too_long="refuse")
     with pytest.raises(TranslateError, match="more than model.max_len=32"):
@@ -202,3 +202,61 @@ def test_translate_cli(run):
     assert "Traceback" not in missing.stderr
     bad = cli(cmd[:-1] + ["--beam_size=0", "x"])
     assert bad.returncode == 1 and "beam_size=0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_translate_streams_one_line_out_per_line_in(run):
+    """10,000 lines through standard input, with empty and blank lines, a line too long
+    for the model, invalid UTF-8, control characters and line separators inside lines,
+    a CRLF ending and no final newline: 10,000 lines out, in order, the first chunk
+    written while the input is still open, and one warning that counts each kind."""
+    import queue
+    import threading
+
+    from flaxformer_lite.translate import CHUNK
+
+    workdir, raw = run
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    cmd = [sys.executable, "-m", "flaxformer_lite.main", "translate", f"--workdir={workdir}"]
+    proc = subprocess.Popen(
+        cmd + ["--beam_size=1"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    numbered = [f"This is sentence number {i % 50}.".encode() for i in range(10_000)]
+    special = {
+        CHUNK + 1: b"",
+        CHUNK + 2: b"   \t ",
+        CHUNK + 3: " ".join(["Haus"] * 100).encode(),
+        CHUNK + 4: b"Komm \xff\xfe her!",
+        CHUNK + 5: "Komm\x0cher\u2028jetzt\x1b[31m sofort\x85!".encode(),
+        CHUNK + 6: b"Wo ist der Bahnhof?\r",
+    }
+    source = [special.get(i, s) for i, s in enumerate(numbered)]
+    proc.stdin.write(b"\n".join(source[:CHUNK]) + b"\n")
+    proc.stdin.flush()
+    first = [lines.get(timeout=300) for _ in range(CHUNK)]  # before the input ends
+    proc.stdin.write(b"\n".join(source[CHUNK:]))  # no newline after the last line
+    proc.stdin.close()
+    proc.wait(timeout=600)
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 0, err[-3000:]
+    out = first + [lines.get(timeout=10) for _ in range(lines.qsize())]
+    assert len(out) == 10_000 and all(x.endswith(b"\n") for x in out)
+    out = [x.decode()[:-1] for x in out]
+    assert out[CHUNK + 1] == out[CHUNK + 2] == ""
+    translator = Translator.from_workdir(workdir)
+    for part in (slice(0, 64), slice(CHUNK, CHUNK + 64), slice(-64, None)):
+        expected = translator.translate(
+            [s.decode("utf-8", "replace") for s in source[part]], beam_size=1
+        )
+        assert out[part] == expected
+    assert err.strip().splitlines() == [
+        "warning: of 10000 lines, 2 empty or blank (empty lines out); 1 longer than "
+        "model.max_len=32 pieces (translated from their first 31); 1 not valid UTF-8 (bad "
+        f"bytes replaced by U+FFFD; the first: line {CHUNK + 5})"
+    ]
