@@ -405,9 +405,7 @@ CHUNK = 1024  # lines read, translated and written at a time (a multiple of batc
 
 # Characters that end a line for str.splitlines() or a terminal, besides "\n": inside a
 # line they would split one input or output line into several.
-_BREAKS = dict.fromkeys(
-    [*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F, 0x85, 0x2028, 0x2029], " "
-)
+_BREAKS = dict.fromkeys([*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F, 0x85, 0x2028, 0x2029], " ")
 
 
 def one_line(text: str) -> str:
