@@ -286,8 +286,21 @@ class OptimizerConfig(Section):
     embedding_lr_scale: float = option(
         1.0, "the token embeddings learn at this multiple of the rate", rule=NON_NEGATIVE
     )
+    spike_factor: float = option(
+        0.0, "> 1: skip an update whose gradient norm exceeds this multiple of the median "
+        "of the last spike_window accepted ones (counted in the logs; 0 = off)",
+        rule=NON_NEGATIVE,
+    )  # fmt: skip
+    spike_window: int = option(
+        100, "accepted gradient norms the spike guard's median is taken over", rule=POSITIVE
+    )
 
     def check(self) -> None:
+        if self.spike_factor and self.spike_factor <= 1:
+            raise ConfigError(
+                f"config.optimizer.spike_factor={self.spike_factor} would skip ordinary "
+                "updates; use a factor > 1 (e.g. 5) or 0 to turn the guard off"
+            )
         if self.schedule == "noam" and self.warmup_steps <= 0:
             raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
         if self.cooldown_fraction and self.cooldown_steps:

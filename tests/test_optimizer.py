@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from flaxformer_lite.architectures.transformer import Transformer
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config import ConfigError, ModelConfig
 from flaxformer_lite.experiment import OptimizerConfig, validate_experiment
 from flaxformer_lite.training.state import (
     TrainState,
@@ -101,3 +101,37 @@ def test_embedding_lr_scale_scales_only_token_embeddings():
         scaled = dict(jax.tree_util.tree_flatten_with_path(updates[0.25])[0])[path]
         factor = 0.25 if jax.tree_util.keystr(path) == "['shared_embedding']['embedding']" else 1
         np.testing.assert_allclose(scaled, factor * full, rtol=1e-6)
+
+
+def test_the_spike_guard_skips_outlying_updates_and_counts_them():
+    """Off by default; on, an update whose gradient norm is over factor x the median of
+    the accepted ones leaves the parameters and Adam's state as they were."""
+    from flaxformer_lite.training.state import SPIKE_GUARD_MIN, skip_spikes, skipped_updates
+
+    assert OptimizerConfig().spike_factor == 0
+    with pytest.raises(ConfigError, match="spike_factor=0.5 would skip ordinary updates"):
+        OptimizerConfig(spike_factor=0.5)
+    tx = skip_spikes(optax.adam(0.1), factor=3.0, window=8)
+    params = {"w": jnp.ones(4)}
+    state = tx.init(params)
+    rng = np.random.default_rng(0)
+    norms = [1.0 + 0.2 * rng.random() for _ in range(SPIKE_GUARD_MIN)] + [50.0, 2.0, 1.0]
+    for i, norm in enumerate(norms):
+        grads = {"w": jnp.full(4, norm / 2.0)}  # global norm = norm
+        updates, new_state = tx.update(grads, state, params)
+        new_params = optax.apply_updates(params, updates)
+        if norm == 50.0:  # the spike: nothing moves, Adam's step count included
+            assert int(skipped_updates(new_state)) == 1
+            np.testing.assert_array_equal(new_params["w"], params["w"])
+            same = jax.tree.map(np.array_equal, new_state.inner, state.inner)
+            assert all(jax.tree.leaves(same))
+        else:
+            assert not np.array_equal(new_params["w"], params["w"]), i
+        params, state = new_params, new_state
+    assert int(state.skipped) == 1 and int(state.accepted) == len(norms) - 1
+    # make_optimizer puts the guard around the whole optimizer only when asked.
+    config = OptimizerConfig(spike_factor=5.0)
+    tx, _ = make_optimizer(config, ModelConfig(), 100)
+    assert skipped_updates(tx.init({"w": jnp.ones(2)})) is not None
+    plain, _ = make_optimizer(OptimizerConfig(), ModelConfig(), 100)
+    assert skipped_updates(plain.init({"w": jnp.ones(2)})) is None

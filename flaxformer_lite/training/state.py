@@ -98,6 +98,61 @@ def scale_by_lr_factor() -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+class SpikeGuardState(NamedTuple):
+    inner: Any  # the guarded optimizer's state
+    norms: jax.Array  # [window] the last accepted gradient norms (NaN: not yet filled)
+    accepted: jax.Array  # updates applied so far
+    skipped: jax.Array  # updates skipped so far (logged as skipped_updates)
+
+
+SPIKE_GUARD_MIN = 10  # accepted norms needed before the guard judges
+
+
+def skip_spikes(
+    inner: optax.GradientTransformation, factor: float, window: int
+) -> optax.GradientTransformationExtraArgs:
+    """``inner``, except that an update whose gradient's global norm exceeds ``factor``
+    times the median of the last ``window`` accepted norms is skipped: the parameters
+    and ``inner``'s state (Adam's moments, counts, the EMA) stay as they were. The
+    guard judges once it has seen :data:`SPIKE_GUARD_MIN` accepted norms; skipped
+    norms do not enter the median. A NaN norm is not skipped (the run stops on it)."""
+
+    def init(params):
+        return SpikeGuardState(
+            inner.init(params),
+            jnp.full([window], jnp.nan, jnp.float32),
+            jnp.zeros([], jnp.int32),
+            jnp.zeros([], jnp.int32),
+        )
+
+    def update(grads, state, params=None, **extra_args):
+        norm = optax.global_norm(grads).astype(jnp.float32)
+        median = jnp.nanmedian(state.norms)
+        spike = (state.accepted >= SPIKE_GUARD_MIN) & (norm > factor * median)
+        updates, inner_state = optax.with_extra_args_support(inner).update(
+            grads, state.inner, params, **extra_args
+        )
+        keep = lambda new, old: jnp.where(spike, old, new)  # noqa: E731
+        updates = jax.tree.map(lambda u: jnp.where(spike, jnp.zeros_like(u), u), updates)
+        slot = state.accepted % window
+        return updates, SpikeGuardState(
+            jax.tree.map(keep, inner_state, state.inner),
+            keep(state.norms.at[slot].set(norm), state.norms),
+            state.accepted + (~spike).astype(jnp.int32),
+            state.skipped + spike.astype(jnp.int32),
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def skipped_updates(opt_state) -> jax.Array | None:
+    """The spike guard's count of skipped updates in ``opt_state``, or None without one."""
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SpikeGuardState)):
+        if isinstance(leaf, SpikeGuardState):
+            return leaf.skipped
+    return None
+
+
 def evaluation_params(state: TrainState):
     """The parameters to evaluate and translate with: the moving average when the
     optimizer keeps one (``optimizer.ema_decay`` > 0), else the trained ones."""
@@ -125,7 +180,8 @@ def make_optimizer(opt: OptimizerConfig, model: ModelConfig, total_steps: int):
     optionally after global-norm clipping, with the token embeddings' updates
     scaled by ``embedding_lr_scale``, then (``cooldown_fraction`` > 0) by the
     factor each update is given (:func:`scale_by_lr_factor`), then (``ema_decay`` > 0) the
-    parameters' moving average (:func:`params_ema`); ``grad_accum_steps`` > 1
+    parameters' moving average (:func:`params_ema`), all of it (``spike_factor`` > 0)
+    under the loss-spike guard (:func:`skip_spikes`); ``grad_accum_steps`` > 1
     wraps it in ``optax.MultiSteps`` (the schedule then counts real updates).
     """
     schedule = make_schedule(opt, model.d_model, total_steps // opt.grad_accum_steps)
@@ -144,6 +200,8 @@ def make_optimizer(opt: OptimizerConfig, model: ModelConfig, total_steps: int):
         tx = optax.chain(tx, scale_by_lr_factor())
     if opt.ema_decay > 0:
         tx = optax.chain(tx, params_ema(opt.ema_decay))
+    if opt.spike_factor > 0:
+        tx = skip_spikes(tx, opt.spike_factor, opt.spike_window)
     if opt.grad_accum_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=opt.grad_accum_steps)
     return tx, schedule

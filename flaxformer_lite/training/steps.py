@@ -27,7 +27,7 @@ from jax import lax
 
 from flaxformer_lite.architectures.lm import LanguageModel
 from flaxformer_lite.training import losses
-from flaxformer_lite.training.state import TrainState
+from flaxformer_lite.training.state import TrainState, skipped_updates
 
 
 def _forward(model: nn.Module, params, batch, *, deterministic: bool, rng=None):
@@ -135,6 +135,9 @@ def train_step(
         param_norm=_norm(params),
         update_norm=_norm(updates),
     )
+    skipped = skipped_updates(opt_state)
+    if skipped is not None:
+        metrics["skipped_updates"] = skipped  # the spike guard's total so far
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

@@ -240,7 +240,7 @@ def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[s
     state = par.put_state(state)
     final: dict[str, float] = {}
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
-    peer_lost, step, preempted = False, first, False
+    peer_lost, step, preempted, skipped = False, first, False, 0
     stop = preemption.Preemption().install()  # SIGTERM / Ctrl-C: checkpoint, then stop
     try:
         for step in range(first, t.num_steps + 1):
@@ -293,6 +293,12 @@ def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[s
                 logger.write(step, m)
                 if is_chief:
                     logger.progress(step, m)
+                if m.get("skipped_updates", 0) > skipped:
+                    skipped = int(m["skipped_updates"])
+                    logger.message(
+                        f"spike guard: {skipped} update(s) skipped so far (the last at or before "
+                        f"step {step}; optimizer.spike_factor={config.optimizer.spike_factor:g})"
+                    )
                 window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
             if step % t.eval_every == 0 or (last and not preempted):
                 host_state = par.unreplicate(state)
