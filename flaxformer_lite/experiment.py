@@ -360,6 +360,13 @@ class ExperimentConfig:
                 f"config.data.max_length={d.max_length} exceeds model.max_len={m.max_len}; "
                 "raise model.max_len or lower data.max_length"
             )
+        if m.sparse_attention and m.attention_block_size > d.max_length:
+            raise ConfigError(
+                f"config.model.attention_block_size={m.attention_block_size} is larger than the "
+                f"sequences (data.max_length={d.max_length}): the sparse pattern would be one "
+                "padded block; choose a block that divides data.max_length, e.g. "
+                f"{max(1, d.max_length // 4)}"
+            )
         if t.best_metric == "bleu" and not (t.eval_bleu_sentences > 0 and d.task == "translation"):
             raise ConfigError(
                 "config.train.best_metric='bleu' needs a translation task and "

@@ -119,7 +119,12 @@ TAKES_TEXT = ("translate", "generate", "attention")  # commands whose arguments 
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    """One ``error:`` line (a message of several lines keeps its first and last) and exit 1."""
+    lines = [x.strip() for x in str(message).splitlines() if x.strip()]
+    text = lines[0] if lines else "failed"
+    if len(lines) > 1:
+        text += f" ({lines[-1]})"
+    print(f"error: {text}", file=sys.stderr)
     sys.exit(1)
 
 
@@ -301,10 +306,20 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        _fail(f"{e}; `python -m flaxformer_lite.main --helpfull` lists the flags")
-    except (AttributeError, KeyError) as e:
+        text = str(e)
+        if "Traceback (most recent call last)" in text:  # a config file's own error
+            lines = text.strip().splitlines()
+            raised = [x for x in lines if re.match(r"^[\w.]+(Error|Exception): ", x)]
+            message = raised[-1].split(": ", 1)[1] if raised else lines[-1]
+            if lines[-1].strip() not in message:  # e.g. the file that could not be read
+                message += f" ({lines[-1].strip()})"
+            _fail(f"--config: {message}")
+        _fail(f"{text}; `python -m flaxformer_lite.main --helpfull` lists the flags")
+    except (AttributeError, KeyError, OSError) as e:
         if not _from_config_flags(e) or "--debug" in argv:
             raise
+        if isinstance(e, OSError):  # the config file could not be loaded
+            _fail(f"--config: {e}")
         text = str(e.args[0]) if e.args else str(e)
         field = re.search(r"[A-Za-z_]\w*", text)
         hint = re.search(r'Did you mean "([^"]+)"', text)

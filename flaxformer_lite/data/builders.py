@@ -59,6 +59,7 @@ class DingDeEn(tfds.core.GeneratorBasedBuilder):
             f"ding_de_en: {corpus.lines} entry lines, {len(corpus.sentences)} sentence pairs, "
             f"{len(corpus.phrases)} phrase pairs; skipped {corpus.skipped_malformed} malformed "
             f"and {corpus.skipped_misaligned} misaligned lines"
+            + (f", {corpus.skipped_encoding} not UTF-8" if corpus.skipped_encoding else "")
         )
         splits = corpora.split_ding(corpus)
         return {name: self._generate_examples(pairs) for name, pairs in splits.items()}

@@ -47,6 +47,11 @@ class DingCorpus:
     lines: int = 0
     skipped_malformed: int = 0  # no ' :: ' separator, or an empty side
     skipped_misaligned: int = 0  # different numbers of '|' parts on the two sides
+    skipped_encoding: int = 0  # not UTF-8
+
+
+class CorpusError(ValueError):
+    """A corpus file that holds nothing usable; the message names the file and the fix."""
 
 
 def clean_ding_text(text: str) -> str:
@@ -84,12 +89,17 @@ def read_ding(path: str | Path) -> DingCorpus:
     """Parse the Ding file: sentence pairs and phrase pairs, each unique."""
     corpus = DingCorpus([], [])
     seen: set[tuple[str, str]] = set()
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, "rb") as f:
         for raw in f:
-            line = raw.rstrip("\n")
-            if not line.strip() or line.startswith("#"):
-                continue
             corpus.lines += 1
+            try:
+                line = raw.decode("utf-8").rstrip("\n")
+            except UnicodeDecodeError:
+                corpus.skipped_encoding += 1
+                continue
+            if not line.strip() or line.startswith("#"):
+                corpus.lines -= 1
+                continue
             pairs = parse_ding_line(line)
             if pairs is None:
                 corpus.skipped_malformed += 1
@@ -102,6 +112,20 @@ def read_ding(path: str | Path) -> DingCorpus:
                     continue
                 seen.add(pair)
                 (corpus.sentences if is_sentence_pair(*pair) else corpus.phrases).append(pair)
+    counts = (
+        f"{corpus.lines} entry lines: {corpus.skipped_malformed} without ' :: ', "
+        f"{corpus.skipped_misaligned} misaligned, {corpus.skipped_encoding} not UTF-8"
+    )
+    if corpus.skipped_encoding > corpus.lines / 2:
+        raise CorpusError(
+            f"{path} is not UTF-8 ({counts}); convert it (iconv -f latin1 -t utf-8) or "
+            "fetch the package again (python -m flaxformer_lite.data.prepare)"
+        )
+    if not corpus.sentences:
+        raise CorpusError(
+            f"{path} holds no sentence pairs ({counts}); it should be Ding's "
+            "'Deutsch :: English' lines: fetch it again (python -m flaxformer_lite.data.prepare)"
+        )
     return corpus
 
 

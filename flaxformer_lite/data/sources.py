@@ -28,7 +28,14 @@ def load_texts(
         builders.build_local_dataset(dataset, data_dir)
         source = tfds.data_source(dataset, split=split, data_dir=str(data_dir))
     else:  # any TFDS name, e.g. wmt14_translate/de-en (downloads on first use)
-        source = tfds.data_source(dataset, split=split, data_dir=str(data_dir), download=True)
+        try:
+            source = tfds.data_source(dataset, split=split, data_dir=str(data_dir), download=True)
+        except tfds.core.registered.DatasetNotFoundError:
+            raise ValueError(
+                f"data.dataset={dataset!r} is neither a local corpus "
+                f"({', '.join(builders.LOCAL_BUILDERS)}) nor a TFDS dataset; "
+                "tfds.list_builders() lists those (e.g. wmt14_translate/de-en)"
+            ) from None
     if len(source) == 0:
         raise ValueError(f"split {split!r} of {dataset} is empty")
     first = source[0]
@@ -39,7 +46,13 @@ def load_texts(
                 "data.source_lang / data.target_lang to features it has"
             )
 
-    def text(value) -> str:
+    def text(value, index: int) -> str:
+        if value is None:  # what array_record returns from a cut-off or damaged shard
+            raise ValueError(
+                f"record {index} of the {split!r} split of {dataset} in {data_dir} cannot be "
+                "read: an array_record shard is truncated or damaged; delete "
+                f"{Path(data_dir) / dataset.split('/')[0]} and rerun to build it again"
+            )
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
     # Batched reads: one record at a time costs ~1.7 ms (11 min for the 399k phrase
@@ -53,7 +66,9 @@ def load_texts(
             if hasattr(source, "__getitems__")
             else [source[i] for i in indices]
         )
-        out.extend(tuple(text(ex[f]) for f in features) for ex in records)
+        out.extend(
+            tuple(text(ex[f], i) for f in features) for i, ex in zip(indices, records, strict=True)
+        )
     return out
 
 

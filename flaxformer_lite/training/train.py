@@ -9,6 +9,7 @@ dropout randomness) after checking that the workdir holds the same model.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -93,16 +94,30 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     config = ExperimentConfig.from_config(config)  # checked before any data is read
     wall_start = time.perf_counter()
     workdir = Path(workdir)
-    _check_workdir(config, workdir)
+    created = not workdir.exists() and jax.process_index() == 0
+    lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)
     try:
-        lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)
-        lock.__enter__()
-    except WorkdirBusyError as e:
-        raise TrainingError(str(e)) from None
-    try:
+        _check_workdir(config, workdir)
+        try:
+            lock.__enter__()
+        except WorkdirBusyError as e:
+            raise TrainingError(str(e)) from None
         return _train(config, workdir, wall_start)
+    except BaseException:
+        lock.__exit__()
+        if created and _nothing_trained(workdir):  # a bad config or corpus: leave no trace
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     finally:
         lock.__exit__()
+
+
+def _nothing_trained(workdir: Path) -> bool:
+    """No checkpoint and no logged step: the run failed before training (its logs of
+    a failure later on are kept)."""
+    metrics = workdir / "metrics.jsonl"
+    logged = metrics.exists() and metrics.stat().st_size > 0
+    return not logged and not ckpt_lib.steps(workdir)
 
 
 def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[str, float]:
