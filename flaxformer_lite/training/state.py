@@ -99,6 +99,8 @@ def scale_by_lr_factor() -> optax.GradientTransformationExtraArgs:
 
 
 class SpikeGuardState(NamedTuple):
+    """The loss-spike guard's part of the optimizer state (:func:`skip_spikes`)."""
+
     inner: Any  # the guarded optimizer's state
     norms: jax.Array  # [window] the last accepted gradient norms (NaN: not yet filled)
     accepted: jax.Array  # updates applied so far
