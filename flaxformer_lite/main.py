@@ -178,15 +178,15 @@ def main(argv: list[str]) -> None:
 
             average_workdir(_WORKDIR.value, _NUM.value)
         elif command == "translate":
-            from flaxformer_lite import translate
+            from flaxformer_lite import streaming
 
-            translate.main(
+            streaming.translate_main(
                 _WORKDIR.value, argv[2:], _INPUT.value, _ENSEMBLE.value, **decode_options
             )
         elif command == "generate":
-            from flaxformer_lite import translate
+            from flaxformer_lite import streaming
 
-            translate.generate_main(
+            streaming.generate_main(
                 _WORKDIR.value,
                 argv[2:],
                 _INPUT.value,

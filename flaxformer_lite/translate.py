@@ -1,4 +1,5 @@
-"""``Translator``: a trained workdir as a Python API and a command-line filter.
+"""``Translator``: a trained workdir as a Python API (the line-filter commands built
+on it are in :mod:`flaxformer_lite.streaming`).
 
   from flaxformer_lite.translate import Translator
   t = Translator.from_workdir("runs/ende_small")
@@ -17,10 +18,9 @@ source length + 50 tokens), and returned in input order.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import flax.linen as nn
@@ -401,8 +401,6 @@ class Translator:
         return results
 
 
-CHUNK = 1024  # lines read, translated and written at a time (a multiple of batch sizes)
-
 # Characters that end a line for str.splitlines() or a terminal, besides "\n": inside a
 # line they would split one input or output line into several.
 _BREAKS = dict.fromkeys([*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F, 0x85, 0x2028, 0x2029], " ")
@@ -412,115 +410,3 @@ def one_line(text: str) -> str:
     """``text`` with tabs kept and other control characters and line or paragraph
     separators replaced by spaces: one line in, one line out."""
     return text.translate(_BREAKS)
-
-
-def main(
-    workdir: str,
-    sentences: list[str],
-    input_file: str | None = None,
-    ensemble: Sequence[str] = (),
-    **options,
-) -> int:
-    """``main translate``: one output line per input line, in order, written as each
-    chunk of :data:`CHUNK` lines is translated (``options``: beam_size, alpha,
-    no_repeat_ngram, min/max_length_ratio as in ``Translator.translate``; None = the
-    run's ``decode`` section). Empty lines give empty lines; invalid UTF-8 is replaced
-    (U+FFFD); a line over ``model.max_len`` pieces is translated from its first
-    pieces; one warning at the end counts each kind."""
-    translator = Translator.from_workdir(workdir, ensemble=ensemble)
-    report: Counter = Counter()
-    for chunk in _chunks(read_lines(sentences, input_file, "sentences", report)):
-        for line in translator.translate(chunk, report=report, **options):
-            print(one_line(line))
-        sys.stdout.flush()
-    _summary(report, "lines", translator.config.max_len)
-    return 0
-
-
-def read_lines(
-    given: list[str], input_file: str | None, what: str, report: Counter
-) -> Iterator[str]:
-    """The command's texts, one at a time: its arguments, else ``--input``'s lines,
-    else standard input's. Lines end at "\n" only (and a "\r" before it); the last may
-    lack one. Bytes that are not UTF-8 become U+FFFD, counted in ``report``."""
-    if given and not input_file:
-        report["lines"] += len(given)
-        yield from given
-        return
-    if input_file:
-        try:
-            stream = open(input_file, "rb")  # noqa: SIM115 (closed below)
-        except OSError as e:
-            raise TranslateError(f"cannot read --input={input_file} ({e.strerror})") from e
-    else:
-        if sys.stdin.isatty():
-            print(
-                f"reading {what} from standard input, one per line (Ctrl-D ends)",
-                file=sys.stderr,
-            )
-        stream = sys.stdin.buffer
-    try:
-        for raw in stream:
-            report["lines"] += 1
-            raw = raw[:-1] if raw.endswith(b"\n") else raw
-            raw = raw[:-1] if raw.endswith(b"\r") else raw
-            try:
-                yield raw.decode("utf-8")
-            except UnicodeDecodeError:
-                report["invalid_utf8"] += 1
-                report.setdefault("first_invalid", report["lines"])
-                yield raw.decode("utf-8", "replace")
-    finally:
-        if input_file:
-            stream.close()
-
-
-def _chunks(lines: Iterator[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    for line in lines:
-        chunk.append(line)
-        if len(chunk) == CHUNK:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def _summary(report: Counter, unit: str, max_len: int) -> None:
-    notes = []
-    if report["empty"]:
-        notes.append(f"{report['empty']} empty or blank (empty lines out)")
-    if report["truncated"]:
-        notes.append(
-            f"{report['truncated']} longer than model.max_len={max_len} pieces (translated "
-            f"from their first {max_len - 1})"
-        )
-    if report["invalid_utf8"]:
-        notes.append(
-            f"{report['invalid_utf8']} not valid UTF-8 (bad bytes replaced by U+FFFD; the "
-            f"first: line {report['first_invalid']})"
-        )
-    if notes:
-        print(f"warning: of {report['lines']} {unit}, " + "; ".join(notes), file=sys.stderr)
-
-
-def generate_main(
-    workdir: str,
-    prompts: list[str],
-    input_file: str | None = None,
-    ensemble: Sequence[str] = (),
-    **options,
-) -> int:
-    """``main generate``: one continuation per prompt, one line each, in order, chunk
-    by chunk like ``translate`` (``options``: max_new_tokens, temperature, top_k,
-    top_p, seed as in ``Translator.generate``)."""
-    generator = Translator.from_workdir(workdir, ensemble=ensemble)
-    report: Counter = Counter()
-    done = 0
-    for chunk in _chunks(read_lines(prompts, input_file, "prompts", report)):
-        for text in generator.generate(chunk, first_index=done, **options):
-            print(one_line(text))
-        sys.stdout.flush()
-        done += len(chunk)
-    _summary(report, "prompts", generator.config.max_len)
-    return 0

@@ -53,6 +53,7 @@ def main() -> None:
     # What the commands import, once, before forking (no JAX computation here).
     import flaxformer_lite.evaluation  # noqa: F401
     import flaxformer_lite.main  # noqa: F401
+    import flaxformer_lite.streaming  # noqa: F401
     import flaxformer_lite.training.train  # noqa: F401
     import flaxformer_lite.translate  # noqa: F401
 

@@ -42,6 +42,7 @@ LAYERS = {
     "evaluation": 5,
     "average": 5,
     "attention_maps": 5,
+    "streaming": 5,
     "training": 6,
     "sweep": 7,
     "main": 8,

@@ -212,7 +212,7 @@ def test_translate_streams_one_line_out_per_line_in(run):
     import queue
     import threading
 
-    from flaxformer_lite.translate import CHUNK
+    from flaxformer_lite.streaming import CHUNK
 
     workdir, raw = run
     env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
