@@ -313,10 +313,10 @@ def _mount_tmpfs(path: pathlib.Path, size: str, options: str = "") -> bool:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 8 MiB tmpfs (a real filesystem that fills up); skipped where mounting is not
+    """A 64 MiB tmpfs (a real filesystem that fills up); skipped where mounting is not
     allowed (not root), where the mocked ENOSPC test below still runs."""
     disk = tmp_path / "disk"
-    if not _mount_tmpfs(disk, "8m"):
+    if not _mount_tmpfs(disk, "64m"):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
