@@ -322,6 +322,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.slow  # the mocked ENOSPC test below is its reduced form in the default run
 def test_a_full_disk_stops_with_one_message_and_keeps_the_last_checkpoint(fixture_data, small_disk):
     from flaxformer_lite.training.train import train_and_evaluate
 
