@@ -95,21 +95,16 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     wall_start = time.perf_counter()
     workdir = Path(workdir)
     created = not workdir.exists() and jax.process_index() == 0
-    lock = WorkdirLock(workdir, enabled=jax.process_index() == 0)
     try:
         _check_workdir(config, workdir)
-        try:
-            lock.__enter__()
-        except WorkdirBusyError as e:
-            raise TrainingError(str(e)) from None
-        return _train(config, workdir, wall_start)
+        with WorkdirLock(workdir, enabled=jax.process_index() == 0):
+            return _train(config, workdir, wall_start)
+    except WorkdirBusyError as e:
+        raise TrainingError(str(e)) from None
     except BaseException:
-        lock.__exit__()
         if created and _nothing_trained(workdir):  # a bad config or corpus: leave no trace
             shutil.rmtree(workdir, ignore_errors=True)
         raise
-    finally:
-        lock.__exit__()
 
 
 def _nothing_trained(workdir: Path) -> bool:
