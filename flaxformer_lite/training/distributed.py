@@ -21,6 +21,7 @@ naming the lost process, instead of waiting forever in a collective.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -194,9 +195,7 @@ def all_agree(flag: bool) -> bool:
     """``flag`` as process 0 sees it, on every process (one process: ``flag``)."""
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+    return _from_chief("1" if flag else "0", "decision") == "1"
 
 
 def chief_value(x: float) -> float:
@@ -204,9 +203,32 @@ def chief_value(x: float) -> float:
     factor from the clock must be the same in every replica of the parameters."""
     if jax.process_count() == 1:
         return x
-    from jax.experimental import multihost_utils
+    return float(_from_chief(repr(float(np.float32(x))), "value"))
 
-    return float(multihost_utils.broadcast_one_to_all(np.asarray(x, np.float32)))
+
+_CHIEF_KEYS = itertools.count()
+
+
+def _from_chief(text: str, what: str) -> str:
+    """Process 0's ``text`` on every process, through JAX's key-value store (every
+    process calls this in the same order, so the n-th call of each meets the n-th
+    key). Not a device collective: a process whose peer died must not sit in a wait
+    that holds the interpreter, or the watchdog thread cannot stop it; a chief that
+    stays silent past the heartbeat timeout is a lost peer."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    key = f"flaxformer/chief/{next(_CHIEF_KEYS)}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, text)
+        return text
+    try:
+        return client.blocking_key_value_get(key, int(WATCHDOG.timeout * 1000))
+    except Exception as e:  # noqa: BLE001 - a timeout or a closed store: the chief is gone
+        _stop_for_lost_peer(
+            f"process 0 sent no {what} for {WATCHDOG.timeout:g} s ({str(e).splitlines()[0][:200]})"
+        )
+        raise  # not reached: _stop_for_lost_peer exits
 
 
 def gather_json(value) -> list:
