@@ -37,8 +37,9 @@ __all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset", "register_chec
 # pattern specs are checked by their own registries (components/attention.py,
 # components/sparse.py), which add their checks with ``register_check``.
 # blocked: the project's kernels (no n x n array for sparse patterns); reference: a
-# sparse pattern as a dense mask; cudnn / splash: the GPU / TPU fused kernels.
-ATTENTION_IMPLS = ("blocked", "reference", "cudnn", "splash")
+# sparse pattern as a dense mask; chunked: dense attention by chunks with an online
+# softmax (no n x n array); cudnn / splash: the GPU / TPU fused kernels.
+ATTENTION_IMPLS = ("blocked", "reference", "chunked", "cudnn", "splash")
 LN_POSITIONS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
 TIE_EMBEDDINGS = ("none", "src_tgt", "tgt_softmax", "all")
@@ -111,9 +112,11 @@ class ModelConfig(Section):
     )
     attention_impl: str = option(
         "blocked", "kernel: blocked (ours, any platform) | reference (sparse as a dense "
-        "mask) | cudnn (GPU fused: dense, causal, local) | splash (TPU, sparse patterns)",
+        "mask) | chunked (dense, O(n) memory) | cudnn (GPU fused: dense, causal, local) | "
+        "splash (TPU, sparse patterns)",
         choices=ATTENTION_IMPLS,
     )  # fmt: skip
+    attention_chunk: int = option(512, "chunked: queries and keys per chunk", rule=POSITIVE)
     attention_block_size: int = option(
         64, "kernel block; also the default block of random/bigbird", rule=POSITIVE
     )
@@ -144,6 +147,12 @@ class ModelConfig(Section):
     def sparse_attention(self) -> bool:
         """True when self-attention uses ``attention_pattern`` instead of dense attention."""
         return self.attention_pattern.strip() not in ("", "dense")
+
+    @property
+    def token_masks(self) -> bool:
+        """True when self-attention takes its mask as token ids (:class:`SegmentIds`),
+        never as an ``n x n`` array: sparse patterns and the chunked dense kernel."""
+        return self.sparse_attention or self.attention_impl == "chunked"
 
     @property
     def head_dim_qk(self) -> int:
@@ -204,6 +213,20 @@ def _validate(c: ModelConfig) -> None:
             f"model.eos_id={c.eos_id} equals model.pad_id: end-of-sentence would be masked "
             "as padding; give them different ids"
         )
+    if c.attention_impl == "chunked":
+        if c.sparse_attention:
+            raise ConfigError(
+                f"model.attention_impl='chunked' computes dense attention, not "
+                f"attention_pattern={c.attention_pattern!r}: use attention_impl=blocked for "
+                "sparse patterns, or attention_pattern=dense"
+            )
+        if c.score_fn not in ("scaled_dot", "dot") or c.attention_dropout > 0:
+            raise ConfigError(
+                f"model.attention_impl='chunked' computes dot-product scores without "
+                f"dropout on the weights (score_fn={c.score_fn!r}, attention_dropout="
+                f"{c.attention_dropout}): use score_fn=scaled_dot or dot and "
+                "attention_dropout=0, or attention_impl=blocked"
+            )
     if c.sparse_attention:
         if c.score_fn not in ("scaled_dot", "dot"):
             raise ConfigError(

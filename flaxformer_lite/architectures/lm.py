@@ -50,7 +50,7 @@ class LanguageModel(nn.Module):
             return self.decoder(
                 None, tokens, None, None, positions, deterministic=deterministic, decode=True
             )
-        if c.sparse_attention:  # token-level ids; the causal pattern brings causality
+        if c.token_masks:  # token-level ids; the layers bring causality
             mask = SegmentIds.from_tokens(tokens, segmentation, c.pad_id)
         else:
             mask = combine_masks(

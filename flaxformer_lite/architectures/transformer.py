@@ -317,7 +317,7 @@ class Transformer(nn.Module):
     ) -> Array:
         """``[b, s]`` source ids -> ``[b, s, m]``."""
         c = self.config
-        if c.sparse_attention:
+        if c.token_masks:
             mask = SegmentIds.from_tokens(inputs, inputs_segmentation, c.pad_id)
         else:
             mask = make_padding_mask(inputs, inputs, c.pad_id)
@@ -371,7 +371,7 @@ class Transformer(nn.Module):
                 cross_mask = combine_masks(
                     cross_mask, make_segment_mask(targets_segmentation, inputs_segmentation)
                 )
-            if c.sparse_attention:  # token ids; causality comes from the causal pattern
+            if c.token_masks:  # token ids; the layers bring causality
                 self_mask = SegmentIds.from_tokens(targets, targets_segmentation, c.pad_id)
         source_embedded = None
         if c.lexical_shortcut:

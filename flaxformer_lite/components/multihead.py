@@ -30,6 +30,7 @@ from flaxformer_lite.components.attention import (
     dropout_weights,
     make_score_fn,
 )
+from flaxformer_lite.components.chunked import chunked_attention
 from flaxformer_lite.components.masks import SegmentIds, combine_masks, make_causal_mask
 from flaxformer_lite.config import ModelConfig
 
@@ -123,7 +124,9 @@ class MultiHeadAttention(nn.Module):
                 seed=c.attention_seed,
                 causal=self.causal,
             )
-        if isinstance(mask, SegmentIds) and (patterns is None or decode):
+        chunked = c.attention_impl == "chunked" and not decode and not c.sow_attention_weights
+        scale = 1.0 if c.score_fn == "dot" else None
+        if isinstance(mask, SegmentIds) and (decode or (patterns is None and not chunked)):
             mask = combine_masks(
                 mask.dense(), make_causal_mask(mask.ids.shape[1]) if self.causal else None
             )
@@ -161,11 +164,22 @@ class MultiHeadAttention(nn.Module):
                     )
                     self.sow("intermediates", "attention_weights", weights)
                 return dense(c.d_model, (-2, -1), "out")(x)
+            elif chunked:
+                ids = mask.ids if isinstance(mask, SegmentIds) else None
+                x = chunked_attention(
+                    query, key, value, q_segments=ids, k_segments=ids, causal=self.causal,
+                    scale=scale, chunk=c.attention_chunk,
+                )  # fmt: skip
+                return dense(c.d_model, (-2, -1), "out")(x)
         else:
             key, value = self._cross_attention_kv(inputs_kv, decode, project_key, project_value)
+            if chunked:
+                x = chunked_attention(
+                    query, key, value, mask=mask, scale=scale, chunk=c.attention_chunk
+                )
+                return dense(c.d_model, (-2, -1), "out")(x)
 
         if c.attention_impl == "cudnn" and not decode and not c.sow_attention_weights:
-            scale = 1.0 if c.score_fn == "dot" else None
             x = kernels.cudnn_attention(query, key, value, mask=mask, scale=scale)
             return dense(c.d_model, (-2, -1), "out")(x)
         weights = attention_weights(query, key, mask, score_fn=score)
