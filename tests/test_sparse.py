@@ -83,6 +83,27 @@ def test_blocked_matches_reference_values_and_gradients(name, causal, n, block, 
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name,causal", [("bigbird", False), ("local|strided|global", False),
+                                         ("local", True), ("random", False)])  # fmt: skip
+def test_blocked_agrees_with_reference_in_float64(name, causal, rng):
+    """The block kernel's hand-written backward (recomputed probabilities) to float64
+    rounding: values and gradients, packed segments and padding, a partial last block."""
+    pattern = PATTERNS[name].causal() if causal else PATTERNS[name]
+    with jax.enable_x64():
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in _qkv(rng, 2, 37, 2, 8))
+        seg = _segments(2, 37)
+        kw = dict(q_segments=seg, kv_segments=seg)
+        weights = jnp.cos(jnp.arange(8.0, dtype=jnp.float64))
+        blocked = lambda q, k, v: sparse_attention(q, k, v, pattern, block_size=8, **kw)
+        ref = lambda q, k, v: oracles.masked_attention(q, k, v, pattern, **kw)
+        got = jax.value_and_grad(lambda *a: (blocked(*a) * weights).sum(), (0, 1, 2))(q, k, v)
+        want = jax.value_and_grad(lambda *a: (ref(*a) * weights).sum(), (0, 1, 2))(q, k, v)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+        for a, r in zip(got[1], want[1], strict=True):
+            assert a.dtype == jnp.float64
+            np.testing.assert_allclose(a, r, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "name,scan_blocks", [("bigbird", 2), ("local|strided|global", 2), ("fixed", 1)]
 )

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from flaxformer_lite.sparse.block_kernel import block_partial
 from flaxformer_lite.sparse.online_softmax import (
     Partial,
     merge,
@@ -260,14 +261,10 @@ def _blocks_part(p: Problem, scan_blocks: int | None = None) -> Partial:
         sk = pad_to(seg_k, npad, 1).reshape(b, nb, B)
     has_columns = bool(is_column.any())
 
-    def rows_of(qb_g, rows, tbl, ok_blocks, kg, vg, sq_g):
-        """Partial softmax of query blocks ``rows`` against their table's key blocks."""
+    def pattern_mask(rows, tbl, ok_blocks):
+        """``[g, B, S*B]`` bool: the pattern's pairs of query blocks ``rows`` and their
+        table's key blocks. For numpy ``rows``/``tbl`` a constant made at trace time."""
         g = rows.shape[0]
-        kg = kg.reshape(b, h, g, S * B, d)
-        vg = vg.reshape(b, h, g, S * B, dv)
-        scores = jnp.einsum("bhxqd,bhxkd->bhxqk", qb_g, kg)  # [b, h, g, B, S*B]
-        # Without scanning, rows and table are numpy and the pattern's part of the
-        # mask is a constant made once at trace time, not recomputed every step.
         xp = np if isinstance(rows, np.ndarray) else jnp
         qi = (rows[:, None] * B + xp.arange(B))[:, :, None]
         kj = (tbl[:, :, None] * B + xp.arange(B)).reshape(g, 1, S * B)
@@ -275,7 +272,15 @@ def _blocks_part(p: Problem, scan_blocks: int | None = None) -> Partial:
         mask = ok & (kj < n) & (qi < n) & pattern.allows(qi, kj, n)
         if has_columns:
             mask = mask & ~xp.asarray(is_column)[xp.clip(kj, 0, n - 1)]
-        mask = xp.asarray(mask)[None, None]
+        return mask
+
+    def rows_of(qb_g, rows, tbl, ok_blocks, kg, vg, sq_g):
+        """Partial softmax of query blocks ``rows`` against their table's key blocks."""
+        g = rows.shape[0]
+        kg = kg.reshape(b, h, g, S * B, d)
+        vg = vg.reshape(b, h, g, S * B, dv)
+        scores = jnp.einsum("bhxqd,bhxkd->bhxqk", qb_g, kg)  # [b, h, g, B, S*B]
+        mask = jnp.asarray(pattern_mask(rows, tbl, ok_blocks))[None, None]
         if sq_g is not None:
             sk_g = sk[:, tbl].reshape(b, g, 1, S * B)
             mask = mask & segment_mask(sq_g[..., None], sk_g)[:, None]
@@ -283,8 +288,16 @@ def _blocks_part(p: Problem, scan_blocks: int | None = None) -> Partial:
         return part.m, part.l, part.o
 
     if scan_blocks is None or scan_blocks >= nb:
-        kg, vg = _read_blocks(kb, table, offsets), _read_blocks(vb, table, offsets)
-        m, l, o = rows_of(qb, np.arange(nb), table, valid, kg, vg, sq)
+        # A group of query blocks at a time, keys read in place (band slices, a
+        # gather for the rest), with a recomputing backward: block_kernel.py.
+        mask = pattern_mask(np.arange(nb), table, valid)
+        seg = {}
+        if seg_q is not None:
+            seg = dict(seg_q=pad_to(seg_q, npad, 1), seg_k=pad_to(seg_k, npad, 1))
+        m, l, o = block_partial(
+            pad_to(q, npad, 2), pad_to(k, npad, 2), pad_to(v, npad, 2), B, offsets,
+            table[:, len(offsets):], mask, **seg,
+        )  # fmt: skip
     else:
         # Groups of `scan_blocks` query blocks, one after another (lax.map), each
         # recomputed in the backward pass (jax.checkpoint): only one group's
