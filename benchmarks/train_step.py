@@ -55,6 +55,7 @@ BATCH, LENGTH = 32, 64
 SPLITS = 2  # train.concurrent_splits of configs/ende_small.py
 # The peer's optimizer: Adam 0.9/0.98/1e-9, no clipping, a warm-up schedule.
 OPTIMIZER = OptimizerConfig(schedule="noam", warmup_steps=1000, clip_grad_norm=0.0)
+LEVERS = "## What each change bought"  # train_step.md keeps this section when rewritten
 SAME_DROPOUT = dict(attention_dropout=0.1, ffn_dropout=0.1)  # as the peer's defaults
 
 
@@ -237,8 +238,11 @@ def main() -> None:
             f"median of {rv['steps_each']} steps each)",
         ]
     text = "\n".join(lines)
-    (out / "train_step.md").write_text(text + "\n")
     print(text)
+    # The hand-written record below the measurements (what each change bought) stays.
+    target = out / "train_step.md"
+    kept = target.read_text().partition(LEVERS)[2] if target.exists() else ""
+    target.write_text(text + "\n" + (f"\n{LEVERS}{kept}" if kept else ""))
 
 
 if __name__ == "__main__":
