@@ -57,7 +57,10 @@ demo: prepare
 	$(BIN)/python -m flaxformer_lite.main average --workdir=$(DEMO_WORKDIR) --num=$(DEMO_AVERAGE)
 	$(BIN)/python -m flaxformer_lite.main evaluate --workdir=$(DEMO_WORKDIR) --split=test $(DEMO_DECODE)
 
+# The peer of train_step.py and decode.py: google/flax's examples/wmt from the installed
+# flax's source distribution (pip download), cached in benchmarks/.peer (not committed).
 bench: prepare
+	$(BIN)/python benchmarks/peer.py
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/packing.py

@@ -28,7 +28,6 @@ from pathlib import Path
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import linen as nn
 from flax.training import train_state
@@ -249,5 +248,4 @@ def init_params(c: ModelConfig, length: int, seed: int = 0):
 
 
 if __name__ == "__main__":
-    print(source_dir())
-    np.set_printoptions(precision=3)
+    print(f"the peer (flax {flax.__version__} examples/wmt): {source_dir()}")

@@ -83,8 +83,15 @@ def test_blocked_matches_reference_values_and_gradients(name, causal, n, block, 
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name,causal", [("bigbird", False), ("local|strided|global", False),
-                                         ("local", True), ("random", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,causal",
+    [
+        ("bigbird", False),  # band + global + random blocks
+        ("local", True),
+        pytest.param("local|strided|global", False, marks=pytest.mark.slow),
+        pytest.param("random", False, marks=pytest.mark.slow),
+    ],
+)
 def test_blocked_agrees_with_reference_in_float64(name, causal, rng):
     """The block kernel's hand-written backward (recomputed probabilities) to float64
     rounding: values and gradients, packed segments and padding, a partial last block."""
