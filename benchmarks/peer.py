@@ -115,14 +115,13 @@ def rsqrt_schedule(learning_rate: float = 0.002, warmup_steps: int = 1000):
 
 
 def create_state(c: ModelConfig, length: int, seed: int = 0):
+    """The peer's TrainState (as its train.py builds it) and its schedule."""
     models, _ = modules()
-    model = models.Transformer(config(c, deterministic=True))
-    shape = (1, length)
-    params = jax.jit(model.init)(jax.random.key(seed), jnp.ones(shape), jnp.ones(shape))["params"]
     schedule = rsqrt_schedule()
     tx = optax.adamw(schedule, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0)
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    return state, schedule
+    apply = models.Transformer(config(c, deterministic=True)).apply
+    params = init_params(c, length, seed)
+    return train_state.TrainState.create(apply_fn=apply, params=params, tx=tx), schedule
 
 
 def _cross_entropy(logits, targets, weights, label_smoothing):
