@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import functools
 import math
 
 import jax
@@ -53,12 +54,35 @@ def test_beam_one_equals_greedy(model_params):
     np.testing.assert_array_equal(beams[:, 0], greedy)
 
 
+WIDTH = 16  # every scored sequence fits: one compiled forward pass serves them all
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _label_log_probs(model, params, src, labels):
+    """``log p(labels[t] | src, labels[:t])`` for each position t: ``[W]``."""
+    logp = jax.nn.log_softmax(model.apply({"params": params}, src[None], labels[None]))
+    return jnp.take_along_axis(logp[0], labels[:, None], -1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _next_token_probs(model, params, src, labels):
+    """``p(. | src, labels[:t])`` for each position t: ``[W, V]``."""
+    return jax.nn.softmax(model.apply({"params": params}, src[None], labels[None])[0])
+
+
+def _labels(seq, eos_id=1):
+    """(``seq`` up to its EOS, zero-padded to WIDTH; its length). The decoder is causal,
+    so the padding after position n changes nothing at positions before it."""
+    n = next((i + 1 for i, t in enumerate(seq) if t == eos_id), len(seq))
+    labels = np.zeros(WIDTH, np.int32)
+    labels[:n] = seq[:n]
+    return jnp.asarray(labels), n
+
+
 def _score(model, params, src, seq, alpha, eos_id=1):
     """log p(seq | src) / length penalty, by a full forward pass."""
-    n = next((i + 1 for i, t in enumerate(seq) if t == eos_id), len(seq))
-    labels = jnp.asarray([list(seq[:n])])
-    logp = jax.nn.log_softmax(model.apply({"params": params}, src[None], labels))
-    total = float(jnp.take_along_axis(logp, labels[..., None], -1).sum())
+    labels, n = _labels(seq, eos_id)
+    total = float(_label_log_probs(model, params, src, labels)[:n].sum())
     return total / ((5 + n) / 6) ** alpha
 
 
@@ -195,16 +219,8 @@ def test_beam_search_length_bounds(model_params):
 def _ensemble_score(model, members, src, seq, alpha, eos_id=1):
     """log of the members' mean probability of ``seq``, token by token, by full forward
     passes; divided by the length penalty."""
-    n = next((i + 1 for i, t in enumerate(seq) if t == eos_id), len(seq))
-    labels = jnp.asarray([list(seq[:n])])
-    per_member = [
-        jnp.take_along_axis(
-            jax.nn.log_softmax(model.apply({"params": p}, src[None], labels)),
-            labels[..., None],
-            -1,
-        )[0, :, 0]
-        for p in members
-    ]
+    labels, n = _labels(seq, eos_id)
+    per_member = [_label_log_probs(model, p, src, labels)[:n] for p in members]
     mixed = jax.nn.logsumexp(jnp.stack(per_member), axis=0) - math.log(len(members))
     return float(mixed.sum()) / ((5 + n) / 6) ** alpha
 
@@ -233,19 +249,11 @@ def test_ensemble_greedy_and_beam_follow_the_mean_probability(model_params):
     kw = dict(max_length=10, eos_id=1, bos_id=2)
     out = np.asarray(decoding.sample(model, members, SRC, **kw))
     for b in range(SRC.shape[0]):
-        generated = []
-        for t in out[b]:
-            # Labels = the tokens so far + a placeholder; the logits at its position
-            # predict the next token (the model shifts right behind its own BOS).
-            labels = jnp.asarray([generated + [1]])
-            probs = sum(
-                jax.nn.softmax(model.apply({"params": p}, SRC[b : b + 1], labels)[0, -1])
-                for p in members
-            )
-            assert int(jnp.argmax(probs)) == t
-            if t == 1:
-                break
-            generated.append(int(t))
+        # Teacher-forced on the output itself: the mean probabilities at position t
+        # are those greedy saw when it chose token t.
+        labels, n = _labels(out[b].tolist())
+        probs = sum(np.asarray(_next_token_probs(model, p, SRC[b], labels)) for p in members)
+        np.testing.assert_array_equal(probs[:n].argmax(-1), out[b][:n])
     # The members disagree, so the test above is not one model's greedy in disguise.
     singles = [np.asarray(decoding.sample(model, p, SRC, **kw)) for p in members]
     assert not (singles[0] == singles[1]).all()
