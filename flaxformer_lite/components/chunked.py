@@ -16,6 +16,9 @@ Masks are built per chunk from O(n) descriptions: key padding (keys past the rea
 length), ``causal``, and segment ids (packed sequences: a query sees keys of its own
 segment, none of segment 0). A dense ``[b, 1, n, m]`` boolean ``mask`` is accepted too
 (cross-attention's padding mask), sliced per chunk; it costs n*m bytes, not floats.
+With ``causal``, the chunk pairs above the diagonal are skipped (``lax.cond``) in
+both passes, so causal attention does about half the work of the full square at long
+lengths.
 
 Arrays are ``[b, n, h, d]`` as everywhere in the project; the math runs in the
 inputs' dtype except the softmax statistics, which are float32 (or float64 for
@@ -33,6 +36,19 @@ from jax import Array, lax
 from flaxformer_lite.sparse.online_softmax import FLOOR, NEG, pad_to
 
 DEFAULT_CHUNK = 512
+_SKIP_ABOVE_DIAGONAL = True  # off only for the A/B in experiments/performance/causal_chunks.py
+
+
+def _skips(statics) -> bool:
+    """Whether chunk pairs above the diagonal are skipped (``lax.cond``; without
+    causality every pair is needed, and a cond there costs ~10%)."""
+    return _SKIP_ABOVE_DIAGONAL and statics[3]
+
+
+def _pair_visible(statics, i, j) -> Array:
+    """Whether some query of chunk ``i`` may see a key of chunk ``j`` (causal)."""
+    cq, ck = statics[:2]
+    return j * ck <= i * cq + cq - 1
 
 
 def chunked_attention(
@@ -112,6 +128,11 @@ def _forward(q, k, v, aux, statics):
         qi = lax.dynamic_slice_in_dim(q, i * cq, cq, 2)
 
         def key_chunk(carry, j):
+            if not _skips(statics):
+                return attend(carry, j), None
+            return lax.cond(_pair_visible(statics, i, j), attend, lambda c, _: c, carry, j), None
+
+        def attend(carry, j):
             m_run, l_run, acc = carry
             kj = lax.dynamic_slice_in_dim(k, j * ck, ck, 2)
             vj = lax.dynamic_slice_in_dim(v, j * ck, ck, 2)
@@ -122,7 +143,7 @@ def _forward(q, k, v, aux, statics):
             shrink = jnp.exp(m_run - m_new)
             l_new = l_run * shrink + p.sum(-1)
             pv = jnp.einsum("bhqk,bhkv->bhqv", p.astype(v.dtype), vj)
-            return (m_new, l_new, acc * shrink[..., None].astype(acc.dtype) + pv), None
+            return m_new, l_new, acc * shrink[..., None].astype(acc.dtype) + pv
 
         init = (
             jnp.full((b, h, cq), FLOOR, st),
@@ -165,6 +186,12 @@ def _attention_bwd(statics, residuals, d_out):
         vj = lax.dynamic_slice_in_dim(v, j * ck, ck, 2)
 
         def query_chunk(carry, i):
+            if not _skips(statics):
+                return pair(carry, i)
+            skipped = (carry, jnp.zeros((b, h, cq, dk), q.dtype))
+            return lax.cond(_pair_visible(statics, i, j), pair, lambda c, _: skipped, carry, i)
+
+        def pair(carry, i):
             dk_j, dv_j = carry
             qi = lax.dynamic_slice_in_dim(q, i * cq, cq, 2)
             doi = lax.dynamic_slice_in_dim(d_out, i * cq, cq, 2)
