@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.training.flops import matmul_peak_flops
+
 
 def best(fn, *args, reps=5):
     jax.block_until_ready(fn(*args))
@@ -35,7 +37,7 @@ def main():
         return jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
 
     matmul = jax.jit(lambda a, b: a @ b)
-    peak = 2 * 2048**3 / best(matmul, normal(2048, 2048), normal(2048, 2048))
+    peak = matmul_peak_flops()
     print(f"2048^2 peak: {peak / 1e9:.0f} GFLOP/s")
     for m, k, n in [(1024, 64, 1024), (2048, 256, 256), (2048, 256, 8000), (128, 64, 384)]:
         seconds = best(matmul, normal(m, k), normal(k, n))
