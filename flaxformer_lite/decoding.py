@@ -94,7 +94,7 @@ class _Stepper:
                 mutable=["cache"],
                 method=Transformer.decode,
             )
-        return logits[:, -1].astype(jnp.float32), mutated["cache"]
+        return logits[:, -1].astype(score_dtype(self.model)), mutated["cache"]
 
     def __call__(self, cache, tokens: Array, encoded) -> tuple[Array, tuple]:
         """Logits ``[b, v]`` for the next token after ``tokens [b, 1]``; the new cache.
@@ -110,6 +110,12 @@ class _Stepper:
             return steps[0][0], caches
         logp = jnp.stack([jax.nn.log_softmax(lg) for lg, _ in steps])
         return jax.nn.logsumexp(logp, axis=0) - jnp.log(len(steps)), caches
+
+
+def score_dtype(model: nn.Module) -> jnp.dtype:
+    """Logits and scores: float32, or float64 for a float64 model (float64 mode is how
+    this project checks numerics, so its scores must not be rounded to float32)."""
+    return jnp.promote_types(model.config.dtype, jnp.float32)
 
 
 def _repeat(x: Array | None, k: int) -> Array | None:
@@ -197,7 +203,7 @@ def sample(
         i, out, cache, done, last = carry
         logits, cache = stepper(cache, last[:, None], None)
         token = jnp.where(done, 0, choose(logits, i))
-        out = lax.dynamic_update_slice(out, token[:, None], (0, i))
+        out = lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1)
         return i + 1, out, cache, done | (token == eos_id), token
 
     _, out, _, _, _ = lax.while_loop(cond, body, (jnp.int32(1), out, cache, done, first))
@@ -317,10 +323,11 @@ def beam_search(
 
     live_seqs = jnp.zeros((b, k, max_length), jnp.int32)
     # Only beam 0 is alive at the start, so the first step does not pick k copies.
-    live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1)), (b, 1))
+    wide = score_dtype(model)
+    live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), wide), (b, 1))
     fin_seqs = jnp.zeros((b, k, max_length), jnp.int32)
-    fin_scores = jnp.full((b, k), NEG_INF)
-    max_lp = length_penalty(jnp.float32(max_length), alpha)
+    fin_scores = jnp.full((b, k), NEG_INF, wide)
+    max_lp = length_penalty(jnp.asarray(max_length, wide), alpha)
 
     def step(i, live_seqs, live_logp, fin_seqs, fin_scores, cache, encoded):
         last = jnp.where(
@@ -344,7 +351,7 @@ def beam_search(
         top_logp, top_idx = lax.top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
         beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
         seqs = jnp.take_along_axis(live_seqs, beam[..., None], axis=1)
-        seqs = lax.dynamic_update_slice(seqs, token[..., None], (0, 0, i))
+        seqs = lax.dynamic_update_slice_in_dim(seqs, token[..., None], i, axis=2)
         is_eos = token == eos_id
         # New live beams: the k best candidates that did not end.
         live_cand = jnp.where(is_eos, NEG_INF, top_logp)
@@ -352,7 +359,7 @@ def beam_search(
         new_live = jnp.take_along_axis(seqs, pick[..., None], axis=1)
         cache = _gather_beams(cache, jnp.take_along_axis(beam, pick, axis=1), b, k)
         # New finished: merge the candidates that ended here with the old finished.
-        penalised = top_logp / length_penalty(jnp.asarray(i + 1, jnp.float32), alpha)
+        penalised = top_logp / length_penalty(jnp.asarray(i + 1, wide), alpha)
         ended = jnp.where(is_eos & (top_logp > NEG_INF / 2), penalised, NEG_INF)
         all_scores = jnp.concatenate([fin_scores, ended], axis=1)
         all_seqs = jnp.concatenate([fin_seqs, seqs], axis=1)
@@ -376,7 +383,7 @@ def beam_search(
         cond, body, (jnp.int32(1), *carry)
     )
     # Rows short of finished hypotheses: fill with live beams scored at the length reached.
-    live_scores = live_logp / length_penalty(i.astype(jnp.float32), alpha)
+    live_scores = live_logp / length_penalty(i.astype(wide), alpha)
     all_scores = jnp.concatenate(
         [fin_scores, jnp.where(live_logp > NEG_INF / 2, live_scores, NEG_INF)], axis=1
     )

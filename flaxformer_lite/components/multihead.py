@@ -215,11 +215,12 @@ class MultiHeadAttention(nn.Module):
         steps = key.shape[1]
         cache_len = cached_key.value.shape[2]
         i = index.value
-        cached_key.value = lax.dynamic_update_slice(
-            cached_key.value, _head_major(key), (0, 0, i, 0)
+        # _in_dim: the other indices take i's integer type (int32 under x64 too).
+        cached_key.value = lax.dynamic_update_slice_in_dim(
+            cached_key.value, _head_major(key), i, axis=2
         )
-        cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, _head_major(value), (0, 0, i, 0)
+        cached_value.value = lax.dynamic_update_slice_in_dim(
+            cached_value.value, _head_major(value), i, axis=2
         )
         index.value = i + steps
         q_pos = i + jnp.arange(steps)
@@ -267,8 +268,10 @@ class MultiHeadAttention(nn.Module):
             )
         i = index.value
         slot = i % cached_key.value.shape[1]
-        cached_key.value = lax.dynamic_update_slice(cached_key.value, key, (0, slot, 0, 0))
-        cached_value.value = lax.dynamic_update_slice(cached_value.value, value, (0, slot, 0, 0))
+        cached_key.value = lax.dynamic_update_slice_in_dim(cached_key.value, key, slot, axis=1)
+        cached_value.value = lax.dynamic_update_slice_in_dim(
+            cached_value.value, value, slot, axis=1
+        )
         positions.value = positions.value.at[slot].set(i + 1)
         index.value = i + 1
         q_pos = i + jnp.arange(1)
