@@ -14,9 +14,11 @@ what is allowed, so a typo never reaches XLA.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
@@ -164,17 +166,45 @@ class ModelConfig(Section):
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
+        return _usable_dtype("dtype", self.dtype)
 
     @property
     def parameter_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.param_dtype)
+        return _usable_dtype("param_dtype", self.param_dtype)
+
+    def check_precision(self) -> None:
+        """ConfigError if a dtype needs a JAX mode that is off (float64 without x64).
+        Checked where the model takes its dtypes (in the mode then in force) and by the
+        experiment config before any data is read."""
+        _usable_dtype("dtype", self.dtype)
+        _usable_dtype("param_dtype", self.param_dtype)
+
+
+def _usable_dtype(field: str, name: str) -> jnp.dtype:
+    """``jnp.dtype(name)``, refusing float64 while JAX's 64-bit mode is off: JAX would
+    compute it in float32 without a word."""
+    dtype = jnp.dtype(name)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ConfigError(
+            f"model.{field}={name} needs JAX's 64-bit mode, which is off (JAX would "
+            f"silently compute in float32): run with JAX_ENABLE_X64=1 in the environment "
+            "(JAX_ENABLE_X64=1 python -m flaxformer_lite.main ...), or call "
+            "jax.config.update('jax_enable_x64', True) before building the model"
+        )
+    return dtype
 
 
 # Checks owned by modules above this one (a registry of names, a spec grammar). Each
-# registers itself when imported; importing any part of flaxformer_lite imports the
-# components (the package's __init__ does), so every ModelConfig runs them when built.
+# registers itself when imported; the first ModelConfig checked after this module has
+# loaded imports them (_RULE_OWNERS), so every ModelConfig runs them whatever the
+# caller imported (the package's __init__ imports nothing until a name is used).
 _REGISTERED_CHECKS: list[Callable[[ModelConfig], None]] = []
+_RULE_OWNERS = (
+    "flaxformer_lite.components.attention",
+    "flaxformer_lite.components.kernels",
+    "flaxformer_lite.components.sparse",
+)
+_LOADED = False  # set at the end of this module: the presets above it need no owners
 
 
 def register_check(check: Callable[[ModelConfig], None]) -> Callable[[ModelConfig], None]:
@@ -240,6 +270,9 @@ def _validate(c: ModelConfig) -> None:
                 "attention_pattern is not supported; set it to 0 (residual dropout still "
                 "applies)"
             )
+    if _LOADED:
+        for module in _RULE_OWNERS:
+            importlib.import_module(module)  # registers its checks (once)
     for check in _REGISTERED_CHECKS:
         check(c)
 
@@ -290,3 +323,6 @@ def model_config_from(config) -> ModelConfig:
     if "model" not in config:
         raise ConfigError("the experiment config has no 'model' section; see configs/paper_base.py")
     return ModelConfig.from_dict(config.model)
+
+
+_LOADED = True
