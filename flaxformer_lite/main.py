@@ -28,6 +28,13 @@ the run's ``decode`` section.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Before any other import (JAX's takes seconds): a SIGTERM or Ctrl-C from here on
+    # is recorded, and training stops cleanly on it instead of dying with status 143.
+    from flaxformer_lite.training import preemption as _preemption
+
+    _preemption.install_at_start()
+
 import errno
 import logging as std_logging
 import os
@@ -142,6 +149,10 @@ def main(argv: list[str]) -> None:
     if not _DEBUG.value:  # orbax logs each error it raises, with its traceback; we report it
         logging.get_absl_logger().addFilter(_NotFromOrbax())
     command = argv[1] if len(argv) > 1 else "train"
+    if command != "train":  # the others keep the default signal handling
+        from flaxformer_lite.training import preemption
+
+        preemption.release_at_start()
     if command not in COMMANDS or (len(argv) > 2 and command not in TAKES_TEXT):
         _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
     if command == "fields":

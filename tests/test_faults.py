@@ -285,6 +285,75 @@ def test_sigterm_checkpoints_and_exits_cleanly(fixture_data, tmp_path):
     assert train_steps[-2:] == [step + 1, step + 2]
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """The process has installed a SIGTERM handler (Linux: /proc/PID/status SigCgt)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(x for x in status.splitlines() if x.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs /proc")
+def test_sigterm_while_starting_stops_cleanly(fixture_data, tmp_path):
+    """A preemptible machine is reclaimed while the run starts (imports, data, model,
+    compilation): SIGTERM then stops it with nothing to save, says so, removes the
+    workdir it created and exits 0 (not 143), so the same command starts afresh. Sent
+    twice: during the imports (as soon as the handler is in, before JAX has loaded)
+    and once the data is ready."""
+    env = dict(_env(fixture_data), PYTHONUNBUFFERED="1")
+    for moment in ("imports", "data"):
+        run = tmp_path / moment
+        proc = subprocess.Popen(
+            _command(fixture_data, run, STEPS),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 180
+        seen = []
+        if moment == "imports":
+            while not _catches_sigterm(proc.pid):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.001)
+        else:
+            while not any(x.startswith("data: ") for x in seen):
+                seen.append(proc.stdout.readline())
+                assert seen[-1], proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        out = "".join(seen) + out
+        assert proc.returncode == 0, (moment, err[-3000:])
+        assert "Traceback" not in err
+        line = next(x for x in out.splitlines() if x.startswith("stopped by SIGTERM"))
+        assert "before the first step (while " in line, line
+        assert "nothing to save. The same command starts afresh: " in line, line
+        assert "flaxformer_lite.main" in line
+        assert not run.exists()  # nothing half-made is left behind
+
+
+def test_a_stop_while_resuming_keeps_the_checkpoints(fixture_data, straight, tmp_path, capsys):
+    """The same, in process, for a run that has checkpoints: nothing is removed and
+    the message says the command resumes from the newest one."""
+    from flaxformer_lite.training import preemption
+    from flaxformer_lite.training.train import train_and_evaluate
+
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    asked = preemption.Preemption()
+    asked.requested = "SIGTERM"  # as if it had arrived while the process started
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(preemption, "_AT_START", asked)
+        metrics = train_and_evaluate(debug_config(fixture_data[1], num_steps=STEPS + 3), run)
+    assert metrics == {"step": STEPS, "trained_steps": 0, "preempted": 1.0}
+    assert f"nothing to save. The same command resumes from step {STEPS}" in capsys.readouterr().out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_and_the_newest_checkpoint_survives(fixture_data, tmp_path):
     run = tmp_path / "run"

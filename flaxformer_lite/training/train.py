@@ -91,20 +91,56 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     (steps taken by this call: 0 when a finished run is re-run) and ``budget_reached``
     (1.0 when ``train.max_minutes`` stopped it before ``train.num_steps``, else 0.0).
     """
-    config = ExperimentConfig.from_config(config)  # checked before any data is read
-    wall_start = time.perf_counter()
+    # SIGTERM / Ctrl-C from here on: before the first step, stop with nothing to save;
+    # after it, finish the step, checkpoint, then stop.
+    stop = preemption.Preemption().install()
     workdir = Path(workdir)
     created = not workdir.exists() and jax.process_index() == 0
     try:
+        config = ExperimentConfig.from_config(config)  # checked before any data is read
+        config.model.check_precision()  # float64 needs x64 on
+        wall_start = time.perf_counter()
         _check_workdir(config, workdir)
         with WorkdirLock(workdir, enabled=jax.process_index() == 0):
-            return _train(config, workdir, wall_start)
+            return _train(config, workdir, wall_start, stop)
+    except preemption.StoppedBeforeTraining as e:
+        return _stopped_before_training(e, workdir, created)
     except WorkdirBusyError as e:
         raise TrainingError(str(e)) from None
     except BaseException:
         if created and _nothing_trained(workdir):  # a bad config or corpus: leave no trace
             shutil.rmtree(workdir, ignore_errors=True)
         raise
+    finally:
+        stop.restore()
+
+
+def _stopped_before_training(
+    e: preemption.StoppedBeforeTraining, workdir: Path, created: bool
+) -> dict[str, float]:
+    """A stop asked for while the run started: nothing to save; a workdir this call
+    created is removed, so that the same command starts afresh."""
+    step = ckpt_lib.steps(workdir)[-1] if workdir.is_dir() and ckpt_lib.steps(workdir) else 0
+    if created and _nothing_trained(workdir):
+        shutil.rmtree(workdir, ignore_errors=True)
+    then = f"resumes from step {step}" if step else "starts afresh"
+    print(
+        f"stopped by {e}: nothing to save. The same command {then}: {preemption.resume_command()}",
+        flush=True,
+    )
+    return {"step": step, "trained_steps": 0, "preempted": 1.0}
+
+
+def _stop_if_asked(stop: preemption.Preemption, phase: str, *, agreed: bool = False) -> None:
+    """Raise StoppedBeforeTraining if a stop was asked for. With several processes only
+    at the ``agreed`` point, where every process asks the chief (the others must not be
+    left waiting in a barrier)."""
+    if jax.process_count() > 1:
+        asked = agreed and distributed.all_agree(stop.requested is not None)
+    else:
+        asked = stop.requested is not None
+    if asked:
+        raise preemption.StoppedBeforeTraining(stop.requested or "a peer's stop", phase)
 
 
 def _nothing_trained(workdir: Path) -> bool:
@@ -115,8 +151,11 @@ def _nothing_trained(workdir: Path) -> bool:
     return not logged and not ckpt_lib.steps(workdir)
 
 
-def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[str, float]:
+def _train(
+    config: ExperimentConfig, workdir: Path, wall_start: float, stop: preemption.Preemption
+) -> dict[str, float]:
     model_config = config.model
+    _stop_if_asked(stop, "while starting")
     t, d = config.train, config.data
     try:
         par = Parallel(t.parallelism, t.mesh)
@@ -142,6 +181,7 @@ def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[s
     distributed.barrier("tokenizer written")
     if data is None:
         data = assembly.prepare_data(config, workdir)
+    _stop_if_asked(stop, "while preparing the data")
     if data.tokenizer.vocab_size != model_config.vocab_size:
         raise TrainingError(
             f"the tokenizer in {workdir} has {data.tokenizer.vocab_size} pieces but "
@@ -251,8 +291,9 @@ def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[s
     final: dict[str, float] = {}
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
     peer_lost, step, preempted, skipped = False, first, False, 0
-    stop = preemption.Preemption().install()  # SIGTERM / Ctrl-C: checkpoint, then stop
     try:
+        _stop_if_asked(stop, "while building the model", agreed=True)
+        stop.training = True
         for step in range(first, t.num_steps + 1):
             batch = next(iterator)
             example_ids = batch.pop("example_ids", None)
@@ -358,7 +399,6 @@ def _train(config: ExperimentConfig, workdir: Path, wall_start: float) -> dict[s
             )
         ) from None
     finally:
-        stop.restore()
         distributed.WATCHDOG.stop()
         iterator.close()
         if not peer_lost:  # orbax would wait for the lost process
