@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -256,6 +257,27 @@ def test_subword_sampling_varies_by_epoch_and_keeps_the_text(tokenizer):
     assert any(_same_examples([c], [b]) for c, b in zip(capped, best, strict=True))
     with pytest.raises(ValueError, match="3 texts for 40 examples"):
         pipeline.SubwordSampler(texts[:3], best, tokenizer, 0.1, 64, seed=0)
+
+
+def test_subword_sampling_is_the_same_when_threads_sample_at_once(tokenizer):
+    """Epochs sampled on two threads at the same time (an iterator prefetching its
+    next epoch while another samples; once seen to flake a full run) give what each
+    gives alone. sentencepiece takes its sampling seed process-wide; the sampler holds
+    a lock over the seed and the epoch's draws, so this holds whether the library's
+    generator is one per thread (0.2.1) or one per process."""
+    _, _, sampler = _sampler(tokenizer, n=2000)  # epochs long enough to interleave
+    alone = {epoch: sampler(epoch) for epoch in (1, 2)}
+    for _ in range(3):
+        got = {}
+        threads = [
+            threading.Thread(target=lambda e=epoch, out=got: out.setdefault(e, sampler(e)))
+            for epoch in (1, 2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(_same_examples(got[e], alone[e]) for e in (1, 2))
 
 
 def test_subword_sampled_batches_resume_exactly(tokenizer):

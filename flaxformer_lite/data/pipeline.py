@@ -25,6 +25,7 @@ the same data order.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 import grain
@@ -98,6 +99,9 @@ def stream_rows(
     return rows, PipelineStats(len(rows), 0, 0, empty)
 
 
+_SENTENCEPIECE_SAMPLING = threading.Lock()
+
+
 class SubwordSampler:
     """Subword regularization (Kudo, 2018): epoch ``e``'s copy of the training
     examples, each side segmented by sampling from the unigram model (smoothing
@@ -114,8 +118,15 @@ class SubwordSampler:
         self.alpha, self.max_length, self.seed = alpha, max_length, seed
 
     def __call__(self, epoch: int) -> list[dict[str, np.ndarray]]:
+        with _SENTENCEPIECE_SAMPLING:
+            return self._sample(epoch)
+
+    def _sample(self, epoch: int) -> list[dict[str, np.ndarray]]:
         import sentencepiece as spm
 
+        # sentencepiece samples from one generator for the whole process: the seed
+        # and every draw of an epoch happen under the lock, or another thread's
+        # sampler (an iterator prefetching its next epoch) reseeds it mid-epoch.
         spm.set_random_generator_seed(
             int(np.random.default_rng([self.seed, epoch]).integers(2**31))
         )
