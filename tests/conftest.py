@@ -6,6 +6,17 @@ import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite compiles hundreds of small programs and runs most of them once or a few
+# times: XLA's backend optimizations (LLVM -O3 on CPU) cost more than they save there
+# (the suite ran ~25% faster without them). Numerics are the same operations, in
+# possibly another order of fusion, which every tolerance here allows for. A test
+# whose run time dominates (a long training) asks for them back with
+# ``jax.jit(..., compiler_options=OPTIMIZED)`` (tests/fixtures.py). Subprocesses
+# inherit the flag. FLAXFORMER_TEST_OPTIMIZE=1 keeps XLA's default everywhere.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"] and os.environ.get(
+    "FLAXFORMER_TEST_OPTIMIZE", "0"
+) in ("", "0"):
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the CLI subprocesses they start) build the same debug model, each
 # with fresh jit closures, so jax's in-memory cache misses and XLA compiles the same
@@ -47,7 +58,51 @@ def rng():
 
 @pytest.fixture(scope="session")
 def fixture_data(tmp_path_factory):
-    """(raw package folder, TFDS data_dir) of the fixture Ding corpus, built once."""
+    """(raw package folder, TFDS data_dir) of the fixture Ding corpus, built once for
+    the whole session (all workers). Read-only: a test that changes a corpus writes
+    its own."""
     from tests import fixtures
 
-    return fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))
+    folder = fixtures.shared_folder(tmp_path_factory, "ding", fixtures.build_ding_dataset)
+    return folder / "raw", folder / "tfds"
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, fixture_data):
+    """(workdir, raw folder): a trained :debug translation run (tests/fixtures.py)."""
+    from tests import fixtures
+
+    return fixtures.trained_translation_run(tmp_path_factory, fixture_data[1]), fixture_data[0]
+
+
+# Files by their share of the default suite's time (seconds on a 2-core machine, from
+# --durations): heaviest first. With pytest-xdist's --dist loadfile each worker takes
+# the next file when it is done, so the longest files must start first, or the run
+# ends with one worker idle while the other works through a long file alone. Only
+# the order changes; a file not listed runs after these, in collection order.
+FILE_SECONDS = {
+    "test_sparse.py": 136,
+    "test_decoding.py": 88,
+    "test_faults.py": 72,
+    "test_sharding.py": 68,
+    "test_resume.py": 66,
+    "test_sweep.py": 56,
+    "test_kernels.py": 55,
+    "test_multiprocess.py": 51,
+    "test_transformer.py": 50,
+    "test_translate.py": 43,
+    "test_steps.py": 42,
+    "test_chunked.py": 40,
+    "test_float64.py": 35,
+    "test_generate.py": 30,
+    "test_assembly.py": 28,
+    "test_attention_maps.py": 27,
+    "test_cli.py": 26,
+    "test_precision.py": 24,
+    "test_notebook.py": 16,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FILE_SECONDS)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable sort

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 DING_HEADER = "# Version :: test\n# Copyright (c) :: nobody\n"
@@ -119,6 +123,20 @@ def build_ding_dataset(root: Path, ding_sentences: int = 1600) -> tuple[Path, Pa
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def xla_flags(devices: int | None) -> str:
+    """The suite's XLA_FLAGS (tests/conftest.py) for a subprocess with ``devices``
+    simulated CPU devices (None: the default, one)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
+
+# XLA's default backend optimization, for a jitted function whose run time dominates
+# its compile time (the suite compiles without it: tests/conftest.py).
+OPTIMIZED = {"xla_backend_optimization_level": 3}
+
+
 def load_config(name: str = "ende_small", arg: str | None = "debug"):
     """The ml_collections config of ``configs/<name>.py`` with its ``arg`` variant."""
     from flaxformer_lite import experiment
@@ -139,3 +157,40 @@ def debug_config(data_dir, **train):
     for k, v in train.items():
         config.train[k] = v
     return config
+
+
+def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``build(folder)`` once per test session, whichever pytest-xdist worker asks first
+    (under a file lock; the others wait for it and reuse the folder). Its users only
+    read it: a test that changes a run copies it first."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+def trained_translation_run(tmp_path_factory, data_dir) -> Path:
+    """A 6-step :debug translation run on the fixture corpus, shared by the tests that
+    only read a trained run (translate, evaluate, attention maps): 2 encoder layers
+    (the attention grid's rows), max_len 32 (the too-long input tests), the best
+    checkpoint chosen by validation BLEU."""
+
+    def build(folder: Path) -> None:
+        from flaxformer_lite.training.train import train_and_evaluate
+
+        config = debug_config(data_dir, num_steps=6)
+        config.model.max_len = 32
+        config.model.num_encoder_layers = 2
+        config.train.eval_bleu_sentences = 8
+        config.train.best_metric = "bleu"
+        train_and_evaluate(config, folder / "run")
+
+    return shared_folder(tmp_path_factory, "translation-run", build) / "run"

@@ -20,10 +20,7 @@ import pytest
 from flaxformer_lite import attention_maps as am
 from flaxformer_lite.components import sparse
 from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
-from tests import fixtures
-from tests.fixtures import debug_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SENTENCE = "This is sentence number 3."
@@ -31,13 +28,10 @@ TARGET = "Das ist Satz Nummer 3."
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    raw, data_dir = fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))
-    workdir = tmp_path_factory.mktemp("run")
-    config = debug_config(data_dir, num_steps=3)
-    config.model.num_encoder_layers = 2  # rows of the grid: 2 encoder + 1 + 1 decoder
-    train_and_evaluate(config, workdir)
-    return workdir, raw
+def run(trained_run):
+    """The session's trained run (conftest.py): 2 encoder layers, so the grid's rows
+    are 2 encoder + 1 decoder + 1 cross-attention."""
+    return trained_run
 
 
 @pytest.fixture(scope="module")

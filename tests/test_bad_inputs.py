@@ -228,7 +228,8 @@ def table(fixture_data, tmp_path_factory):
         cases.append({"args": _case_args(case, paths), "cwd": str(ROOT), "env": env})
     spec, results = tmp / "cases.json", tmp / "results.json"
     spec.write_text(json.dumps(cases))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    # One device (the cases' messages count devices).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=fixtures.xla_flags(None))
     out = subprocess.run(
         [sys.executable, "-m", "tests.cli_cases", str(spec), str(results)],
         cwd=ROOT,

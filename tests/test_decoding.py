@@ -14,6 +14,7 @@ import pytest
 from flaxformer_lite import LanguageModel, ModelConfig, Transformer, decoding
 from flaxformer_lite.evaluation import corpus_scores
 from flaxformer_lite.partitioning import unbox
+from tests.fixtures import OPTIMIZED
 
 CFG = ModelConfig(
     vocab_size=40,
@@ -326,7 +327,7 @@ def test_tiny_model_learns_to_copy_and_decodes_it_perfectly():
     tx = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 50, 800, 3e-5))
     opt = tx.init(params)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=OPTIMIZED)  # 800 steps: run time dominates
     def step(params, opt, src):
         def loss(p):
             logits = model.apply({"params": p}, src, src)

@@ -13,15 +13,14 @@ import pytest
 from flaxformer_lite.partitioning import unbox
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
-from tests import fixtures
 from tests.fixtures import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def lm_run(tmp_path_factory):
-    raw, data_dir = fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))
+def lm_run(tmp_path_factory, fixture_data):
+    raw, data_dir = fixture_data
     config = load_config("lm_small", "debug")
     config.model.vocab_size = 80  # the fixture's English supports ~93 pieces
     config.model.max_len = 32

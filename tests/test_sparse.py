@@ -55,12 +55,21 @@ def _segments(b, n):
 
 
 # Every pattern and causal variant at a length that is not a multiple of the block
-# (with packed segments and padding); a few at a multiple.
-CASES = [(name, causal, 37, 8) for name in PATTERNS for causal in (False, True)] + [
-    (name, causal, 32, 16)
-    for name in ("full", "bigbird", "sparse_strided", "local|strided|global")
-    for causal in (False, True)
-]
+# (with packed segments and padding); a few at a multiple. The default run takes each
+# pattern once, causal and not in turn (both variants of the kernel's masks are in it,
+# and every pattern's block tables); the other variant of each is in the slow run.
+def _cases():
+    cases = [(name, 37, 8) for name in PATTERNS]
+    cases += [(n, 32, 16) for n in ("full", "bigbird", "sparse_strided", "local|strided|global")]
+    out = []
+    for i, (name, n, block) in enumerate(cases):
+        for causal in (False, True):
+            marks = () if causal == bool(i % 2) else (pytest.mark.slow,)
+            out.append(pytest.param(name, causal, n, block, marks=marks))
+    return out
+
+
+CASES = _cases()
 
 
 @pytest.mark.parametrize("name,causal,n,block", CASES)

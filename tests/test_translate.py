@@ -13,24 +13,15 @@ from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite import decoding
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.evaluation import evaluate_workdir
-from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
-from tests import fixtures
-from tests.fixtures import debug_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    raw, data_dir = fixtures.build_ding_dataset(tmp_path_factory.mktemp("ding"))
-    workdir = tmp_path_factory.mktemp("run")
-    config = debug_config(data_dir, num_steps=6)
-    config.model.max_len = 32
-    config.train.eval_bleu_sentences = 8
-    config.train.best_metric = "bleu"  # the best checkpoint chosen by validation BLEU
-    train_and_evaluate(config, workdir)
-    return workdir, raw
+def run(trained_run):
+    """The session's trained run (conftest.py): max_len 32, best checkpoint by BLEU."""
+    return trained_run
 
 
 def test_translate_returns_strings_in_order(run):
