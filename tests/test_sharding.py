@@ -2,6 +2,7 @@
 device, parameters are laid out as the rules say, and checkpoints move between meshes."""
 
 import functools
+import json
 import os
 import pathlib
 import subprocess
@@ -214,25 +215,34 @@ def test_checkpoints_move_between_meshes(fixture_data, tmp_path):
         debug_config(data_dir, num_steps=6, mesh="data:4,model:2"), workdir
     )
     assert metrics["step"] == 6 and metrics["trained_steps"] == 3
-    # One device, another process: average, evaluate, translate.
-    env = dict(
-        os.environ,
-        FLAXFORMER_RAW_DIR=str(raw),
-        XLA_FLAGS=fixtures.xla_flags(1),
-    )
+    # One device, another process: average, evaluate, translate (the library calls the
+    # commands make; their command lines are tested in test_translate/test_resume).
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=fixtures.xla_flags(1))
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_DEVICE_READER, str(workdir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 1
+    assert result["averaged"] == [6, [3, 6], "averaged checkpoint, step 6"]
+    assert np.isfinite(result["bleu"]) and result["translations"] == 1
 
-    def main(*args):
-        out = subprocess.run(
-            [sys.executable, "-m", "flaxformer_lite.main", *args, f"--workdir={workdir}"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout
 
-    assert "averaged" in main("average", "--num=2")
-    assert "BLEU" in main("evaluate", "--limit=4", "--beam_size=1")
-    assert main("translate", "--beam_size=1", "a house").count("\n") == 1  # one line out
+ONE_DEVICE_READER = """
+import json, sys
+import jax
+from flaxformer_lite.average import average_workdir
+from flaxformer_lite.evaluation import evaluate_workdir
+from flaxformer_lite.translate import Translator
+workdir = sys.argv[1]
+step, steps = average_workdir(workdir, 2)
+averaged = Translator.from_workdir(workdir, kind="averaged")
+scores = evaluate_workdir(workdir, "test", limit=4, beam_size=1)
+print(json.dumps({
+    "devices": jax.device_count(),
+    "averaged": [step, steps, averaged.checkpoint],
+    "bleu": scores.bleu,
+    "translations": len(averaged.translate(["a house"], beam_size=1)),
+}))
+"""

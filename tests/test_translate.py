@@ -144,8 +144,9 @@ def test_ensemble_member_errors(run, tmp_path):
         Translator.from_workdir(workdir, ensemble=[str(other)])
 
 
-def test_evaluate_writes_scores_and_translations(run):
-    workdir, _ = run
+def test_evaluate_writes_scores_and_translations(run, tmp_path):
+    workdir = tmp_path / "run"  # evaluate writes into the run: a copy of the shared one
+    shutil.copytree(run[0], workdir)
     scores = evaluate_workdir(workdir, "test", beam_size=2, limit=10)
     assert scores.num_sentences == 10 and "tok:13a" in scores.bleu_signature
     rows = (workdir / "test_translations.tsv").read_text().splitlines()
