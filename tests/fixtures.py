@@ -125,7 +125,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def xla_flags(devices: int | None) -> str:
     """The suite's XLA_FLAGS (tests/conftest.py) for a subprocess with ``devices``
-    simulated CPU devices (None: the default, one)."""
+    simulated CPU devices (None: the default, one). A command-line test whose point is
+    not the device count runs on one device: a :debug run trains data-parallel over
+    every device it sees, and on 8 it costs twice the CPU (multi-device behaviour has
+    its own tests: test_sharding, test_steps, test_multiprocess)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")

@@ -21,6 +21,7 @@ from flaxformer_lite import attention_maps as am
 from flaxformer_lite.components import sparse
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.translate import TranslateError, Translator
+from tests.fixtures import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SENTENCE = "This is sentence number 3."
@@ -152,7 +153,7 @@ def test_sparse_weights_are_the_patterns_and_give_the_kernels_output():
 
 def test_attention_command(run, tmp_path):
     workdir, raw = run
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
     base = [sys.executable, "-m", "flaxformer_lite.main", "attention", f"--workdir={workdir}"]
     prefix = tmp_path / "pictures" / "s3"
     out = subprocess.run(

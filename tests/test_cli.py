@@ -13,14 +13,14 @@ from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.run import Run
 from flaxformer_lite.training.state import abstract_train_state
 from flaxformer_lite.training.train import train_and_evaluate
-from tests.fixtures import load_config
+from tests.fixtures import load_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_cli_debug_run(fixture_data, tmp_path):
     raw, data_dir = fixture_data
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
     cmd = [
         sys.executable,
         "-m",

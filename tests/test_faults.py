@@ -22,7 +22,7 @@ from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.evaluation import evaluate_workdir
 from flaxformer_lite.training.state import abstract_train_state
 from flaxformer_lite.translate import Translator
-from tests.fixtures import debug_config
+from tests.fixtures import debug_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 12  # checkpoints at 3, 6, 9, 12; the first epoch (105 pairs) ends at step 7
@@ -50,7 +50,9 @@ def _command(fixture_data, workdir, num_steps, checkpoint_every=3):
 
 def _env(fixture_data):
     raw, _ = fixture_data
-    return dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), JAX_PLATFORMS="cpu")
+    return dict(
+        os.environ, FLAXFORMER_RAW_DIR=str(raw), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(None)
+    )
 
 
 def _run(fixture_data, workdir, num_steps=STEPS, expect=0):

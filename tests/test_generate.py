@@ -13,7 +13,7 @@ import pytest
 from flaxformer_lite.partitioning import unbox
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.translate import TranslateError, Translator
-from tests.fixtures import load_config
+from tests.fixtures import load_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -104,7 +104,7 @@ def test_generate_on_a_translation_run_is_refused(tmp_path):
 
 def test_generate_cli(lm_run):
     workdir, raw = lm_run
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
     cmd = [sys.executable, "-m", "flaxformer_lite.main", "generate", f"--workdir={workdir}"]
 
     def cli(args, stdin=None):

@@ -13,6 +13,7 @@ import pytest
 
 from flaxformer_lite import sweep
 from flaxformer_lite.sweep import Axis, Sweep, SweepError, parse_axis
+from tests.fixtures import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -182,7 +183,7 @@ def test_a_finished_run_is_read_back_not_run_again(tmp_path, monkeypatch):
 
 
 def _sweep_cli(args, data_dir, raw, cwd=ROOT):
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
     cmd = [
         sys.executable,
         "-m",
@@ -290,7 +291,7 @@ def test_sigterm_stops_the_sweep_and_its_runs(fixture_data, tmp_path):
     records none of them as finished, and exits with one line; the runs resume later."""
     raw, data_dir = fixture_data
     workdir = tmp_path / "s"
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
     cmd = [
         sys.executable, "-m", "flaxformer_lite.main", "sweep",
         "--config=configs/ende_small.py:debug", f"--config.data.data_dir={data_dir}",

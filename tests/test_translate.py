@@ -14,6 +14,7 @@ from flaxformer_lite import decoding
 from flaxformer_lite.config import ConfigError
 from flaxformer_lite.evaluation import evaluate_workdir
 from flaxformer_lite.translate import TranslateError, Translator
+from tests.fixtures import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -164,9 +165,10 @@ def test_evaluate_writes_scores_and_translations(run, tmp_path):
         evaluate_workdir(workdir, "test", alpha=-1.0, limit=2)
 
 
-def test_translate_cli(run):
-    workdir, raw = run
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+def test_translate_cli(run, tmp_path):
+    workdir, raw = tmp_path / "run", run[1]  # average writes into the run: a copy
+    shutil.copytree(run[0], workdir)
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
     cmd = [
         sys.executable,
         "-m",
@@ -181,6 +183,8 @@ def test_translate_cli(run):
             args, input=stdin, cwd=ROOT, env=env, capture_output=True, text=True, check=False
         )
 
+    average = cli([*cmd[:3], "average", f"--workdir={workdir}", "--num=2"])
+    assert average.returncode == 0 and "averaged" in average.stdout, average.stderr[-2000:]
     out = cli(cmd + ["This is sentence number 1.", "This is sentence number 2."])
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(out.stdout.splitlines()) == 2
@@ -207,7 +211,7 @@ def test_translate_streams_one_line_out_per_line_in(run):
     from flaxformer_lite.streaming import CHUNK
 
     workdir, raw = run
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw))
+    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
     cmd = [sys.executable, "-m", "flaxformer_lite.main", "translate", f"--workdir={workdir}"]
     proc = subprocess.Popen(
         cmd + ["--beam_size=1"],
