@@ -187,13 +187,21 @@ def trained_translation_run(tmp_path_factory, data_dir) -> Path:
     checkpoint chosen by validation BLEU."""
 
     def build(folder: Path) -> None:
-        from flaxformer_lite.training.train import train_and_evaluate
+        import functools
+
+        import jax
+        import pytest
+
+        from flaxformer_lite.training import parallel, train
 
         config = debug_config(data_dir, num_steps=6)
         config.model.max_len = 32
         config.model.num_encoder_layers = 2
         config.train.eval_bleu_sentences = 8
         config.train.best_metric = "bleu"
-        train_and_evaluate(config, folder / "run")
+        one = functools.partial(parallel.Parallel, devices=jax.devices()[:1])
+        with pytest.MonkeyPatch.context() as m:  # one device: see conftest.one_device
+            m.setattr(train, "Parallel", one)
+            train.train_and_evaluate(config, folder / "run")
 
     return shared_folder(tmp_path_factory, "translation-run", build) / "run"

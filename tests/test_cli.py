@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.run import Run
@@ -16,6 +17,8 @@ from flaxformer_lite.training.train import train_and_evaluate
 from tests.fixtures import load_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# In-process training here is not about devices (its subprocesses: one device too).
+pytestmark = pytest.mark.usefixtures("one_device")
 
 
 def test_cli_debug_run(fixture_data, tmp_path):

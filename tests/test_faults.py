@@ -25,6 +25,8 @@ from flaxformer_lite.translate import Translator
 from tests.fixtures import debug_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# In-process training here is not about devices (its subprocesses: one device too).
+pytestmark = pytest.mark.usefixtures("one_device")
 STEPS = 12  # checkpoints at 3, 6, 9, 12; the first epoch (105 pairs) ends at step 7
 
 

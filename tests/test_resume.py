@@ -25,6 +25,8 @@ from flaxformer_lite.training.train import (
 from flaxformer_lite.translate import Translator
 from tests.fixtures import debug_config
 
+pytestmark = pytest.mark.usefixtures("one_device")  # none of these is about devices
+
 
 def _last_params(workdir, config):
     target = abstract_train_state(config).params
