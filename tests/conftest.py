@@ -69,16 +69,10 @@ def fixture_data(tmp_path_factory):
 
 @pytest.fixture
 def one_device(monkeypatch):
-    """train_and_evaluate in this process on its first device only (the loop's Parallel
-    takes every device it sees, here 8), for tests whose point is not the device
-    count: a :debug run on 8 simulated devices costs twice the CPU. Multi-device
-    training has its own tests (test_sharding, test_steps, test_multiprocess)."""
-    import functools
+    """Training in this process on one device (tests/fixtures.train_on_one_device)."""
+    from tests import fixtures
 
-    from flaxformer_lite.training import parallel, train
-
-    one = functools.partial(parallel.Parallel, devices=jax.devices()[:1])
-    monkeypatch.setattr(train, "Parallel", one)
+    fixtures.train_on_one_device(monkeypatch)
 
 
 @pytest.fixture(scope="session")

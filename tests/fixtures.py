@@ -162,6 +162,21 @@ def debug_config(data_dir, **train):
     return config
 
 
+def train_on_one_device(monkeypatch) -> None:
+    """train_and_evaluate in this process on its first device only (the loop's Parallel
+    takes every device it sees, here 8), for tests whose point is not the device
+    count: a :debug run on 8 simulated devices costs twice the CPU. Multi-device
+    training has its own tests (test_sharding, test_steps, test_multiprocess)."""
+    import functools
+
+    import jax
+
+    from flaxformer_lite.training import parallel, train
+
+    one = functools.partial(parallel.Parallel, devices=jax.devices()[:1])
+    monkeypatch.setattr(train, "Parallel", one)
+
+
 def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
     """``build(folder)`` once per test session, whichever pytest-xdist worker asks first
     (under a file lock; the others wait for it and reuse the folder). Its users only
@@ -187,21 +202,17 @@ def trained_translation_run(tmp_path_factory, data_dir) -> Path:
     checkpoint chosen by validation BLEU."""
 
     def build(folder: Path) -> None:
-        import functools
-
-        import jax
         import pytest
 
-        from flaxformer_lite.training import parallel, train
+        from flaxformer_lite.training.train import train_and_evaluate
 
         config = debug_config(data_dir, num_steps=6)
         config.model.max_len = 32
         config.model.num_encoder_layers = 2
         config.train.eval_bleu_sentences = 8
         config.train.best_metric = "bleu"
-        one = functools.partial(parallel.Parallel, devices=jax.devices()[:1])
-        with pytest.MonkeyPatch.context() as m:  # one device: see conftest.one_device
-            m.setattr(train, "Parallel", one)
-            train.train_and_evaluate(config, folder / "run")
+        with pytest.MonkeyPatch.context() as m:
+            train_on_one_device(m)
+            train_and_evaluate(config, folder / "run")
 
     return shared_folder(tmp_path_factory, "translation-run", build) / "run"
