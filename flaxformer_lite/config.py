@@ -153,8 +153,14 @@ class ModelConfig(Section):
     @property
     def token_masks(self) -> bool:
         """True when self-attention takes its mask as token ids (:class:`SegmentIds`),
-        never as an ``n x n`` array: sparse patterns and the chunked dense kernel."""
-        return self.sparse_attention or self.attention_impl == "chunked"
+        never as an ``n x n`` array: sparse patterns, the chunked and cuDNN kernels."""
+        return self.sparse_attention or self.token_cross_masks
+
+    @property
+    def token_cross_masks(self) -> bool:
+        """True when cross-attention takes its mask as token ids too (the dense kernels
+        that never form an ``n x n`` array: chunked and cuDNN)."""
+        return self.attention_impl in ("chunked", "cudnn")
 
     @property
     def head_dim_qk(self) -> int:

@@ -262,8 +262,9 @@ class Decoder(nn.Module):
         if c.lexical_shortcut and self.has_cross_attention:
             if source_embedded is None:
                 raise ValueError("config.lexical_shortcut needs source_embedded")
+            dense_mask = cross_mask.dense() if isinstance(cross_mask, SegmentIds) else cross_mask
             lexical = LexicalShortcut(c, name="lexical")(
-                x, encoded, source_embedded, cross_mask, decode=decode
+                x, encoded, source_embedded, dense_mask, decode=decode
             )
             x = x + Dropout(c.residual_dropout, c.dropout_bits)(
                 lexical, deterministic=deterministic
@@ -373,6 +374,10 @@ class Transformer(nn.Module):
                 )
             if c.token_masks:  # token ids; the layers bring causality
                 self_mask = SegmentIds.from_tokens(targets, targets_segmentation, c.pad_id)
+            if c.token_cross_masks:  # cross-attention's ids too (chunked, cuDNN)
+                cross_mask = SegmentIds.cross(
+                    targets, inputs, targets_segmentation, inputs_segmentation, c.pad_id
+                )
         source_embedded = None
         if c.lexical_shortcut:
             source_embedded = self.shared_embedding(inputs)

@@ -1,8 +1,10 @@
 """Accelerator attention kernels behind ``model.attention_impl``.
 
-* ``cudnn``: ``jax.nn.dot_product_attention`` -- cuDNN's fused flash-attention
-  kernel on NVIDIA GPUs -- for dense, causal and local-window attention
-  (``attention_pattern`` dense, ``full`` or ``local:window=w``, per head group).
+* ``cudnn``: cuDNN's fused flash-attention kernel on NVIDIA GPUs (through
+  ``jax.nn.dot_product_attention``, and jax's cuDNN module for packed rows) for dense,
+  causal and causal local-window attention (``attention_pattern`` dense, ``full`` or
+  ``local:window=w``, per head group; a two-sided window runs on the blocked kernel).
+  Its limits and how each is met are listed above :func:`cudnn_window`.
 * ``splash``: TPU splash attention (Pallas) for any of the project's sparse
   patterns: ``Full`` -> ``FullMask``/``CausalMask``, ``Local`` -> ``LocalMask``,
   a causal one-block ``BlockLocal`` -> ``ChunkedCausalMask``, anything else -> a
@@ -17,6 +19,8 @@ not run on, :func:`platform_mode` raises one message naming what to pick.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import jax
@@ -26,7 +30,6 @@ from jax import Array
 
 from flaxformer_lite.config import ConfigError, ModelConfig, register_check
 from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.online_softmax import segment_mask
 
 FUSED = ("cudnn", "splash")
 
@@ -49,19 +52,191 @@ def platform_mode(impl: str):
 
 
 # cuDNN ------------------------------------------------------------------------------
+#
+# What cuDNN's fused kernel accepts, and how the project meets it (every limit below is
+# a conversion or a config rule, tested on CPU by calling the same code with
+# implementation="xla"; see tests/test_kernels.py):
+#
+# * dtype: fp16/bf16 only. A float32 model's q/k/v are rounded to bfloat16 for the
+#   kernel (8-bit mantissa: a relative rounding of at most 2^-9 per element; cuDNN
+#   accumulates scores, softmax and the value products in float32) and the output is
+#   cast back; float16/bfloat16 models pass through; float64 is refused by a config rule.
+# * masks: no [b, 1, q, k] boolean mask, which cuDNN would take as a dense bias (O(n^2)
+#   memory, the opposite of a fused kernel). Padding goes in as sequence lengths
+#   (padding at the end of the row, as the pipeline makes it); packed rows as cuDNN's
+#   packed layout: per row, the offset and length of each segment (segments contiguous
+#   and numbered in order, as packing makes them, at most ``max_segments`` per row).
+# * windows: cuDNN's sliding window is left-only (keys i-w..i) and so implies
+#   causality: a causal Local(w) pattern runs on cuDNN, a non-causal one cannot, and
+#   :func:`cudnn_computes` sends it to the project's blocked kernel instead.
+# * head size: a multiple of 8 and at most 256 (Hopper; 128 before it): a config rule.
+
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def cudnn_window(pattern: P.Pattern) -> tuple[bool, tuple[int, int] | None]:
-    """(causal, local_window_size) of a pattern cuDNN's kernel computes, or ValueError."""
+def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
+    """(causal, left window w: keys ``i-w..i``) of a pattern cuDNN's kernel computes, or
+    ValueError. A non-causal Local band is not among them (see :func:`cudnn_computes`)."""
     if type(pattern) is P.Full:
         return pattern.is_causal, None
+    if type(pattern) is P.Local and pattern.is_causal:
+        return True, pattern.window
     if type(pattern) is P.Local:
-        w = pattern.window
-        return pattern.is_causal, (w, 0 if pattern.is_causal else w)
+        raise ValueError(
+            f"cuDNN's sliding window is left-only (causal), and Local(window={pattern.window}) "
+            "is two-sided; it runs on the blocked kernel"
+        )
     raise ValueError(
         f"attention_impl=cudnn computes dense, causal and local-window attention, not "
         f"{type(pattern).__name__}; use attention_impl=blocked (or splash on a TPU)"
     )
+
+
+def cudnn_computes(pattern: P.Pattern) -> bool:
+    """True if cuDNN's kernel computes ``pattern``; False for a two-sided Local band (the
+    model runs that head group on the blocked kernel); ValueError for anything else."""
+    if type(pattern) is P.Local and not pattern.is_causal:
+        return False
+    cudnn_window(pattern)
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnCall:
+    """Everything cuDNN's fused kernel receives for one attention: no ``[q, k]`` array.
+
+    ``q_seqlen``/``kv_seqlen``: ``[b]`` real lengths (rows padded at the end), or
+    ``[b, m]`` segment lengths with ``q_offsets``/``kv_offsets`` ``[b, m + 1]`` segment
+    starts (packed rows; -1 past a row's last segment), or all None (no padding).
+    ``window``: keys ``i - window .. i`` (cuDNN's sliding window is ``window + 1``).
+    """
+
+    query: Array
+    key: Array
+    value: Array
+    scale: float
+    causal: bool = False
+    window: int | None = None
+    q_seqlen: Array | None = None
+    kv_seqlen: Array | None = None
+    q_offsets: Array | None = None
+    kv_offsets: Array | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.q_offsets is not None
+
+
+def _segment_table(ids: Array, m: int) -> tuple[Array, Array]:
+    """(lengths ``[b, m]``, starts ``[b, m + 1]``) of the contiguous runs of equal non-zero
+    ids in each row, -1 past the last; O(n) per row (no ``[n, m]`` comparison)."""
+    prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+    nxt = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))
+    starts_at = (ids != 0) & (ids != prev)
+    ends_at = (ids != 0) & (ids != nxt)
+    first = lambda flags: jnp.nonzero(flags, size=m + 1, fill_value=-1)[0]  # noqa: E731
+    starts = jax.vmap(first)(starts_at).astype(jnp.int32)
+    ends = jax.vmap(first)(ends_at).astype(jnp.int32)[:, :m]
+    lengths = jnp.where(starts[:, :m] >= 0, ends - starts[:, :m] + 1, -1)
+    return lengths.astype(jnp.int32), starts.at[:, m].set(-1)
+
+
+def cudnn_call(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    q_segments: Array | None = None,
+    kv_segments: Array | None = None,
+    packed: bool = False,
+    max_segments: int | None = None,
+    scale: float | None = None,
+) -> CudnnCall:
+    """The arguments cuDNN gets for ``[b, q|k, h, d]`` arrays under token-form masks:
+    ``*_segments [b, n]`` ids (0 = padding; one id per row unless ``packed``).
+    ``max_segments`` bounds the segments of a packed row (default: half the shorter
+    length, since every packed example holds at least a token and its EOS)."""
+    d = query.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    dtype = query.dtype if query.dtype in CUDNN_DTYPES else jnp.bfloat16
+    q, k, v = (x.astype(dtype) for x in (query, key, value))
+    if q_segments is None and kv_segments is None:
+        return CudnnCall(q, k, v, scale, causal, window)
+    q_ids = q_segments if q_segments is not None else jnp.ones(query.shape[:2], jnp.int32)
+    kv_ids = kv_segments if kv_segments is not None else q_ids
+    if not packed:
+        lengths = lambda ids: jnp.sum(ids != 0, axis=1, dtype=jnp.int32)  # noqa: E731
+        return CudnnCall(q, k, v, scale, causal, window, lengths(q_ids), lengths(kv_ids))
+    m = max_segments or max(1, min(q_ids.shape[1], kv_ids.shape[1]) // 2)
+    q_len, q_off = _segment_table(q_ids, m)
+    kv_len, kv_off = _segment_table(kv_ids, m)
+    return CudnnCall(q, k, v, scale, causal, window, q_len, kv_len, q_off, kv_off)
+
+
+def _run_cudnn(call: CudnnCall) -> Array:
+    """The call on the GPU: jax.nn's public wrapper, or for packed rows the packed layout
+    of jax's cuDNN module (not re-exported by jax.nn; Hopper or later)."""
+    if not call.packed:
+        return jax.nn.dot_product_attention(
+            call.query, call.key, call.value, scale=call.scale, is_causal=call.causal,
+            query_seq_lengths=call.q_seqlen, key_value_seq_lengths=call.kv_seqlen,
+            local_window_size=None if call.window is None else (call.window, 0),
+            implementation="cudnn",
+        )  # fmt: skip
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as F
+
+        packed_api = "q_offsets" in inspect.signature(F.dot_product_attention).parameters
+    except ImportError:
+        packed_api = False
+    if not packed_api:
+        raise ValueError(
+            f"attention_impl=cudnn on packed rows needs cuDNN's packed layout, which jax "
+            f"{jax.__version__} does not offer; set data.pack=False or attention_impl=chunked"
+        )
+    return F.dot_product_attention(
+        call.query, call.key, call.value, q_seqlen=call.q_seqlen, kv_seqlen=call.kv_seqlen,
+        q_offsets=call.q_offsets, kv_offsets=call.kv_offsets, scale=call.scale,
+        mask_type=F.MaskType.PADDING_CAUSAL if call.causal else F.MaskType.PADDING,
+        sliding_window_length=None if call.window is None else call.window + 1,
+    )  # fmt: skip
+
+
+def _run_xla(call: CudnnCall) -> Array:
+    """What the call computes, on any platform (``implementation="xla"``): for rows without
+    packing jax.nn's own XLA path on the same arguments; for packed rows the mask that
+    the segment table describes, built here from the lengths and offsets (what cuDNN
+    reads of them), so that a wrong table fails on CPU."""
+    if not call.packed:
+        return jax.nn.dot_product_attention(
+            call.query, call.key, call.value, scale=call.scale, is_causal=call.causal,
+            query_seq_lengths=call.q_seqlen, key_value_seq_lengths=call.kv_seqlen,
+            local_window_size=None if call.window is None else (call.window, 0),
+            implementation="xla",
+        )  # fmt: skip
+    q_seg, q_pos = _segment_positions(call.q_offsets, call.q_seqlen, call.query.shape[1])
+    k_seg, k_pos = _segment_positions(call.kv_offsets, call.kv_seqlen, call.key.shape[1])
+    allowed = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
+    if call.causal:
+        allowed &= k_pos[:, None, :] <= q_pos[:, :, None]
+    if call.window is not None:
+        allowed &= q_pos[:, :, None] - k_pos[:, None, :] <= call.window
+    return jax.nn.dot_product_attention(
+        call.query, call.key, call.value, mask=allowed[:, None], scale=call.scale,
+        implementation="xla",
+    )  # fmt: skip
+
+
+def _segment_positions(offsets: Array, lengths: Array, n: int) -> tuple[Array, Array]:
+    """(segment index or -1, position within the segment) of each of ``n`` tokens."""
+    t = jnp.arange(n)[None, :, None]
+    start, size = offsets[:, None, :-1], lengths[:, None, :]
+    inside = (start >= 0) & (t >= start) & (t < start + size)  # [b, n, m]
+    seg = jnp.where(inside.any(-1), jnp.argmax(inside, -1), -1)
+    pos = jnp.sum(jnp.where(inside, t - start, 0), -1)
+    return seg, pos
 
 
 def cudnn_attention(
@@ -69,29 +244,33 @@ def cudnn_attention(
     key: Array,
     value: Array,
     *,
-    mask: Array | None = None,
+    causal: bool = False,
     pattern: P.Pattern | None = None,
-    segments: Array | None = None,
+    q_segments: Array | None = None,
+    kv_segments: Array | None = None,
+    packed: bool = False,
+    max_segments: int | None = None,
     scale: float | None = None,
     implementation: str | None = None,
 ) -> Array:
-    """``jax.nn.dot_product_attention`` under a boolean ``mask [b, 1|h, q, k]`` and/or
-    a Full/Local ``pattern`` and packing ``segments [b, n]``; ``implementation``
-    defaults to :func:`platform_mode`."""
-    causal, window = cudnn_window(pattern) if pattern is not None else (False, None)
-    if segments is not None:
-        same = segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
-        mask = same if mask is None else mask & same
-    return jax.nn.dot_product_attention(
-        query,
-        key,
-        value,
-        mask=mask,
-        scale=scale,
-        is_causal=causal,
-        local_window_size=window,
-        implementation=implementation or platform_mode("cudnn"),
-    )
+    """``[b, q, h, d]`` attention by cuDNN's fused kernel (``implementation`` "cudnn",
+    the default on a GPU via :func:`platform_mode`, or "xla": the same arguments computed
+    by XLA, for CPU tests). ``pattern`` (Full or causal Local) sets the causality and
+    window; ``*_segments`` the padding and packing (see :func:`cudnn_call`). Padding
+    queries get zeros, as the project's other kernels give them; the output has the
+    input's dtype."""
+    window = None
+    if pattern is not None:
+        causal, window = cudnn_window(pattern)
+    call = cudnn_call(
+        query, key, value, causal=causal, window=window, q_segments=q_segments,
+        kv_segments=kv_segments, packed=packed, max_segments=max_segments, scale=scale,
+    )  # fmt: skip
+    mode = implementation or platform_mode("cudnn")
+    out = (_run_cudnn if mode == "cudnn" else _run_xla)(call)
+    if q_segments is not None:
+        out = jnp.where((q_segments != 0)[:, :, None, None], out, 0)
+    return out.astype(query.dtype)
 
 
 # Splash ---------------------------------------------------------------------------
@@ -188,6 +367,21 @@ def _check_fused(c: ModelConfig) -> None:
             f"weights (attention_dropout={c.attention_dropout}); set it to 0 or use "
             "attention_impl=blocked"
         )
+    if c.attention_impl == "cudnn":
+        if "float64" in (c.dtype, c.param_dtype):
+            raise ConfigError(
+                f"model.attention_impl=cudnn takes bfloat16/float16 (a float32 model's "
+                f"attention is rounded to bfloat16), not float64 (dtype={c.dtype}, "
+                f"param_dtype={c.param_dtype}); use attention_impl=blocked for float64"
+            )
+        for name, size in (("d_k", c.head_dim_qk), ("d_v", c.head_dim_v)):
+            if size % 8 or size > 256:
+                raise ConfigError(
+                    f"model.attention_impl=cudnn needs a head size that is a multiple of 8 "
+                    f"and at most 256 (128 before Hopper), and {name} is {size} "
+                    f"(d_model={c.d_model} / num_heads={c.num_heads} unless set); change "
+                    "num_heads or d_k/d_v, or use attention_impl=chunked"
+                )
     if c.attention_impl == "splash" and not c.sparse_attention:
         raise ConfigError(
             "model.attention_impl=splash runs the sparse attention_pattern's kernel; with "

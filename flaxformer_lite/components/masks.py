@@ -75,20 +75,51 @@ def combine_masks(*masks: Array | None) -> Array | None:
 
 @flax.struct.dataclass
 class SegmentIds:
-    """The self-attention mask in token form, for sparse attention (no ``n x n`` array).
+    """An attention mask in token form, for kernels that never form an ``n x n`` array
+    (sparse patterns, chunked dense, cuDNN).
 
-    ``ids [B, L]``: a query attends only keys with its own id; 0 marks padding.
-    Unpacked batches use 1 for every real token. Causality, where needed, comes
-    from the (causal) sparse pattern. ``dense()`` gives the equivalent mask.
+    ``ids [B, Q]``: a query attends only keys with its own id; 0 marks padding.
+    Unpacked batches use 1 for every real token. ``kv_ids [B, K]``: the keys' ids
+    where they differ from the queries' (cross-attention: decoder queries, encoder
+    keys), else None. ``packed`` (static): rows hold several examples (the ids come
+    from the batch's segmentation), not one example and padding. Causality, where
+    needed, comes from the layer. ``dense()`` gives the equivalent mask.
     """
 
     ids: Array
+    kv_ids: Array | None = None
+    packed: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def from_tokens(cls, tokens: Array, segmentation: Array | None, pad_id: int) -> SegmentIds:
-        real = jnp.asarray(tokens) != pad_id
-        ids = jnp.ones_like(tokens, jnp.int32) if segmentation is None else segmentation
-        return cls(jnp.where(real, ids, 0).astype(jnp.int32))
+        return cls(_token_ids(tokens, segmentation, pad_id), packed=segmentation is not None)
+
+    @classmethod
+    def cross(
+        cls,
+        q_tokens: Array,
+        kv_tokens: Array,
+        q_segmentation: Array | None,
+        kv_segmentation: Array | None,
+        pad_id: int,
+    ) -> SegmentIds:
+        """Cross-attention's mask: padding on both sides, and packed examples matched by
+        id (target example k attends to source example k)."""
+        return cls(
+            _token_ids(q_tokens, q_segmentation, pad_id),
+            _token_ids(kv_tokens, kv_segmentation, pad_id),
+            packed=q_segmentation is not None,
+        )
+
+    @property
+    def keys(self) -> Array:
+        return self.ids if self.kv_ids is None else self.kv_ids
 
     def dense(self) -> Array:
-        return make_segment_mask(self.ids, self.ids)
+        return make_segment_mask(self.ids, self.keys)
+
+
+def _token_ids(tokens: Array, segmentation: Array | None, pad_id: int) -> Array:
+    real = jnp.asarray(tokens) != pad_id
+    ids = jnp.ones_like(tokens, jnp.int32) if segmentation is None else segmentation
+    return jnp.where(real, ids, 0).astype(jnp.int32)

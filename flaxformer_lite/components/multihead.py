@@ -124,64 +124,78 @@ class MultiHeadAttention(nn.Module):
                 seed=c.attention_seed,
                 causal=self.causal,
             )
-        chunked = c.attention_impl == "chunked" and not decode and not c.sow_attention_weights
-        scale = 1.0 if c.score_fn == "dot" else None
-        if isinstance(mask, SegmentIds) and (decode or (patterns is None and not chunked)):
-            mask = combine_masks(
-                mask.dense(), make_causal_mask(mask.ids.shape[1]) if self.causal else None
-            )
-
         query = project_query(inputs_q)
         if self.self_attention:
             key, value = project_key(inputs_q), project_value(inputs_q)
             if decode:
+                mask = self._dense(mask)
                 key, value, mask = self._self_attention_cache(key, value, mask, patterns)
-            elif patterns is not None:
-                segments = mask.ids if isinstance(mask, SegmentIds) else None
-                if mask is not None and segments is None:
-                    raise ValueError(
-                        "sparse self-attention takes its mask as SegmentIds (token ids), "
-                        "not a dense [b, 1, q, k] array"
-                    )
-                x = sparse.multihead_sparse_attention(
-                    query,
-                    key,
-                    value,
-                    patterns,
-                    impl=c.attention_impl,
-                    block_size=c.attention_block_size,
-                    segments=segments,
-                    scale=1.0 if c.score_fn == "dot" else None,
-                    scan_blocks=c.attention_scan_blocks or None,
-                )
-                if c.sow_attention_weights:  # for pictures: the n x n array, made only here
-                    weights = sparse.dense_attention_weights(
-                        query,
-                        key,
-                        patterns,
-                        segments=segments,
-                        scale=1.0 if c.score_fn == "dot" else None,
-                    )
-                    self.sow("intermediates", "attention_weights", weights)
-                return dense(c.d_model, (-2, -1), "out")(x)
-            elif chunked:
-                ids = mask.ids if isinstance(mask, SegmentIds) else None
-                x = chunked_attention(
-                    query, key, value, q_segments=ids, k_segments=ids, causal=self.causal,
-                    scale=scale, chunk=c.attention_chunk,
-                )  # fmt: skip
-                return dense(c.d_model, (-2, -1), "out")(x)
         else:
             key, value = self._cross_attention_kv(inputs_kv, decode, project_key, project_value)
-            if chunked:
-                x = chunked_attention(
-                    query, key, value, mask=mask, scale=scale, chunk=c.attention_chunk
-                )
-                return dense(c.d_model, (-2, -1), "out")(x)
+        x = self._attend(
+            query, key, value, mask, patterns, score, deterministic=deterministic, decode=decode
+        )
+        return dense(c.d_model, (-2, -1), "out")(x)
 
-        if c.attention_impl == "cudnn" and not decode and not c.sow_attention_weights:
-            x = kernels.cudnn_attention(query, key, value, mask=mask, scale=scale)
-            return dense(c.d_model, (-2, -1), "out")(x)
+    def _dense(self, mask: Array | SegmentIds | None) -> Array | None:
+        """A token-form mask as the ``[b, 1, q, k]`` array (with causality where the layer
+        is causal), for the kernels that read one."""
+        if not isinstance(mask, SegmentIds):
+            return mask
+        causal = make_causal_mask(mask.ids.shape[1]) if self.causal else None
+        return combine_masks(mask.dense(), causal)
+
+    def _attend(
+        self, query, key, value, mask, patterns, score, *, deterministic: bool, decode: bool
+    ) -> Array:
+        """``[b, q, h, d] -> [b, q, h, v]``: the one place a kernel is chosen.
+
+        Sparse self-attention: the head groups' patterns (``sparse.py``, by
+        ``attention_impl``). Dense, outside cached decoding and weight sowing:
+        ``chunked`` and ``cudnn`` read the mask in token form; everything else (and
+        cached decoding) the plain kernel, which forms the weights ``[b, h, q, k]``.
+        """
+        c = self.config
+        scale = 1.0 if c.score_fn == "dot" else None
+        tokens = mask if isinstance(mask, SegmentIds) else None
+        if patterns is not None and not decode:
+            if mask is not None and tokens is None:
+                raise ValueError(
+                    "sparse self-attention takes its mask as SegmentIds (token ids), "
+                    "not a dense [b, 1, q, k] array"
+                )
+            segments = None if tokens is None else tokens.ids
+            x = sparse.multihead_sparse_attention(
+                query, key, value, patterns, impl=c.attention_impl,
+                block_size=c.attention_block_size, segments=segments,
+                packed=tokens is not None and tokens.packed, scale=scale,
+                scan_blocks=c.attention_scan_blocks or None,
+            )  # fmt: skip
+            if c.sow_attention_weights:  # for pictures: the n x n array, made only here
+                weights = sparse.dense_attention_weights(
+                    query, key, patterns, segments=segments, scale=scale
+                )
+                self.sow("intermediates", "attention_weights", weights)
+            return x
+        fused = not decode and not c.sow_attention_weights
+        if fused and c.attention_impl in ("chunked", "cudnn"):
+            if mask is not None and tokens is None:
+                raise ValueError(
+                    f"attention_impl={c.attention_impl} takes its mask as SegmentIds (token "
+                    "ids), not a dense [b, 1, q, k] array"
+                )
+            q_ids = None if tokens is None else tokens.ids
+            kv_ids = None if tokens is None else tokens.keys
+            if c.attention_impl == "chunked":
+                return chunked_attention(
+                    query, key, value, q_segments=q_ids, k_segments=kv_ids,
+                    causal=self.causal, scale=scale, chunk=c.attention_chunk,
+                )  # fmt: skip
+            return kernels.cudnn_attention(
+                query, key, value, causal=self.causal, q_segments=q_ids, kv_segments=kv_ids,
+                packed=tokens is not None and tokens.packed, scale=scale,
+            )  # fmt: skip
+        mask = self._dense(mask)
         weights = attention_weights(query, key, mask, score_fn=score)
         if c.sow_attention_weights:
             self.sow("intermediates", "attention_weights", weights)
@@ -189,8 +203,7 @@ class MultiHeadAttention(nn.Module):
             weights = dropout_weights(
                 weights, c.attention_dropout, self.make_rng("dropout"), c.dropout_bits
             )
-        x = jnp.einsum("bhqk,bkhv->bqhv", weights, value)
-        return dense(c.d_model, (-2, -1), "out")(x)
+        return jnp.einsum("bhqk,bkhv->bqhv", weights, value)
 
     def _self_attention_cache(
         self, key: Array, value: Array, mask: Array | None, patterns=None

@@ -247,7 +247,7 @@ def check_model_pattern(config: ModelConfig) -> None:
         for layer in parse_spec(config.attention_pattern, config.attention_block_size):
             for pattern in layer:
                 try:
-                    kernels.cudnn_window(pattern)
+                    kernels.cudnn_computes(pattern)
                 except ValueError as e:
                     raise ConfigError(
                         f"model.attention_pattern={config.attention_pattern!r}: {e}"
@@ -273,10 +273,15 @@ def multihead_sparse_attention(
     impl: str = "blocked",
     block_size: int = 64,
     segments: Array | None = None,
+    packed: bool = False,
     scale: float | None = None,
     scan_blocks: int | None = None,
 ) -> Array:
-    """``[b, n, h, d]`` self-attention, head groups each under their own pattern."""
+    """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
+
+    ``impl=cudnn`` runs the groups cuDNN computes on it and a two-sided Local band on
+    the blocked kernel (cuDNN's window is left-only); ``packed``: rows hold several
+    examples (``segments`` from the batch's segmentation), for cuDNN's packed layout."""
     h = query.shape[2]
     per = h // len(patterns)
     outs = []
@@ -287,9 +292,11 @@ def multihead_sparse_attention(
             return kernels.splash_attention(
                 query, key, value, patterns, segments=segments, scale=scale
             )
-        if impl == "cudnn":
+        if impl == "cudnn" and kernels.cudnn_computes(pattern):
             outs.append(
-                kernels.cudnn_attention(q, k, v, pattern=pattern, segments=segments, scale=scale)
+                kernels.cudnn_attention(
+                    q, k, v, pattern=pattern, q_segments=segments, packed=packed, scale=scale
+                )
             )
         elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
             outs.append(
@@ -299,7 +306,7 @@ def multihead_sparse_attention(
                     kv_segments=segments, query_block=min(block_size, 128),
                 )
             )  # fmt: skip
-        elif impl == "blocked":
+        elif impl in ("blocked", "cudnn"):
             outs.append(
                 sparse_attention(
                     q, k, v, pattern, block_size=block_size, q_segments=segments,
