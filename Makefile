@@ -16,7 +16,7 @@ TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST := $(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-.PHONY: setup prepare browser test test-all test-slow demo bench lint format clean
+.PHONY: setup prepare browser test test-all test-slow test-gpu gpu-bundle demo bench lint format clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,16 @@ test-all: setup prepare browser
 	  echo "make test-all: $$(( $$(date +%s) - start )) s of tests ($(TEST_WORKERS) workers)"; exit $$status
 
 test-slow: test-all  # the former name
+
+# The tests marked gpu (cuDNN's fused kernel against the project's kernels), on a machine
+# with an NVIDIA GPU and a CUDA build of jax in the venv (docs/accelerator.md).
+test-gpu: setup
+	JAX_PLATFORMS=cuda FLAXFORMER_TEST_OPTIMIZE=1 $(BIN)/python -m pytest -q -m gpu -rs \
+	  tests/test_kernels.py tests/test_precision.py
+
+# Wheels, corpus and peer to carry to an accelerator machine without a package index.
+gpu-bundle: prepare
+	benchmarks/gpu/bundle.sh
 
 # Debian's chromium, for the test that opens the attention page in a headless browser
 # (skipped without it).

@@ -51,6 +51,11 @@ def source_dir(version: str = flax.__version__) -> Path:
             capture_output=True, text=True,
         )  # fmt: skip
         archives = list(Path(tmp).glob("flax-*.tar.gz"))
+        cached = sorted(CACHE.glob("flax-*/examples/wmt/models.py"))
+        if not archives and cached:  # offline (an accelerator machine): the one brought along
+            other = cached[-1].parent
+            print(f"no package index: using {other.relative_to(CACHE)} instead", flush=True)
+            return other
         if not archives:
             raise SystemExit(
                 f"error: could not download flax=={version}'s source distribution "
@@ -79,9 +84,17 @@ def modules():
     return _load("wmt_models", src / "models.py"), _load("wmt_decode", src / "decode.py")
 
 
-def config(c: ModelConfig, *, dropout: float = 0.1, decode: bool = False, deterministic=False):
-    """The peer's TransformerConfig of our ``c``'s shape (shared embeddings, logits via
-    the embedding, as its default config trains)."""
+def config(
+    c: ModelConfig,
+    *,
+    dropout: float = 0.1,
+    attention_dropout: float | None = None,
+    decode: bool = False,
+    deterministic=False,
+):
+    """The peer's TransformerConfig of our ``c``'s shape and compute dtype (shared
+    embeddings, logits via the embedding, as its default config trains); attention
+    dropout = ``dropout`` unless given."""
     models, _ = modules()
     if c.num_encoder_layers != c.num_decoder_layers:
         raise ValueError("the peer has one layer count for encoder and decoder")
@@ -97,7 +110,8 @@ def config(c: ModelConfig, *, dropout: float = 0.1, decode: bool = False, determ
         mlp_dim=c.d_ff,
         max_len=c.max_len,
         dropout_rate=dropout,
-        attention_dropout_rate=dropout,
+        attention_dropout_rate=dropout if attention_dropout is None else attention_dropout,
+        dtype=c.compute_dtype,
         deterministic=deterministic,
         decode=decode,
     )
@@ -136,10 +150,13 @@ def _cross_entropy(logits, targets, weights, label_smoothing):
     return (loss * weights).sum(), weights.sum()
 
 
-def train_step(state, batch, dropout_rng, *, c: ModelConfig, schedule, label_smoothing=0.1):
-    """One step as the peer's ``train.train_step`` does it (one device, no pmean)."""
+def train_step(
+    state, batch, dropout_rng, *, c: ModelConfig, schedule, label_smoothing=0.1, **overrides
+):
+    """One step as the peer's ``train.train_step`` does it (one device, no pmean);
+    ``overrides``: of :func:`config` (dropout, attention_dropout)."""
     models, _ = modules()
-    model = models.Transformer(config(c))
+    model = models.Transformer(config(c, **overrides))
     targets = batch["targets"]
     weights = jnp.where(targets > 0, 1, 0).astype(jnp.float32)
     rng = jax.random.fold_in(dropout_rng, state.step)
@@ -171,10 +188,12 @@ def train_step(state, batch, dropout_rng, *, c: ModelConfig, schedule, label_smo
     return new_state, metrics
 
 
-def compiled_train_step(c: ModelConfig, length: int):
+def compiled_train_step(c: ModelConfig, length: int, **overrides):
     """(jitted step(state, batch), state, dropout key) for the peer."""
     state, schedule = create_state(c, length)
-    fn = jax.jit(functools.partial(train_step, c=c, schedule=schedule), donate_argnums=(0,))
+    fn = jax.jit(
+        functools.partial(train_step, c=c, schedule=schedule, **overrides), donate_argnums=(0,)
+    )
     return fn, state, jax.random.key(1)
 
 

@@ -113,11 +113,13 @@ FILE_SECONDS = {
 
 def pytest_collection_modifyitems(config, items):
     """Heaviest files first (FILE_SECONDS); tests marked ``gpu`` run where JAX sees an
-    NVIDIA GPU (JAX_PLATFORMS=cuda, as ``make test-gpu`` sets it), skipped elsewhere."""
+    NVIDIA GPU (JAX_PLATFORMS=cuda, as ``make test-gpu`` and benchmarks/gpu/run.sh set it),
+    skipped elsewhere."""
     rank = {name: i for i, name in enumerate(FILE_SECONDS)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable sort
     gpu = [item for item in items if "gpu" in item.keywords]
     if gpu and jax.default_backend() != "gpu":
-        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (make test-gpu on one)")
+        why = "needs an NVIDIA GPU (make test-gpu, or benchmarks/gpu/run.sh tests)"
+        skip = pytest.mark.skip(reason=why)
         for item in gpu:
             item.add_marker(skip)

@@ -252,15 +252,21 @@ def on_cpu_anyway(monkeypatch):
     monkeypatch.setattr(kernels, "platform_mode", lambda impl: modes[impl])
 
 
-@pytest.fixture(params=["float32", "bfloat16"])
-def cudnn_precision(request, monkeypatch):
-    """The model's cuDNN path on CPU twice: keeping float32 (the one change to the code
-    path: q/k/v are not rounded), where the plumbing (segment tables, cross-attention's
-    pairing, causality) must match the float32 model to float32's tolerances; and as it
-    runs on a GPU, rounded to bfloat16, where the logits and the whole gradient must
-    agree within bfloat16's (BF16_REL; one parameter's gradient alone can be off by
-    more: ~8 epsilon seen on the packed Transformer's FFN bias)."""
-    if request.param == "float32":
+@pytest.fixture(
+    params=["xla-float32", "xla-bfloat16", pytest.param("cudnn-bfloat16", marks=pytest.mark.gpu)]
+)
+def cudnn_run(request, monkeypatch):
+    """The model's cuDNN path three ways. On CPU (implementation="xla") keeping float32
+    (the one change to the code path: q/k/v are not rounded), where the plumbing
+    (segment tables, cross-attention's pairing, causality) must match the float32
+    model to float32's tolerances; on CPU as it runs on a GPU, rounded to bfloat16,
+    where the logits and the whole gradient must agree within bfloat16's (BF16_REL;
+    one parameter's gradient alone can be off by more: ~8 epsilon seen on the packed
+    Transformer's FFN bias); and on a GPU through real cuDNN, in bfloat16."""
+    implementation, precision = request.param.split("-")
+    if implementation == "xla":
+        monkeypatch.setattr(kernels, "platform_mode", lambda impl: "xla")
+    if precision == "float32":
         monkeypatch.setattr(kernels, "CUDNN_DTYPES", (*kernels.CUDNN_DTYPES, jnp.float32))
         return None
     return BF16_REL
@@ -309,16 +315,16 @@ BASE = ModelConfig(
 )
 
 
-def test_the_transformer_with_cudnn_attention(on_cpu_anyway, cudnn_precision):
+def test_the_transformer_with_cudnn_attention(cudnn_run):
     src = jnp.array([[5, 6, 7, 8, 9, 1, 0, 0], [10, 11, 1, 0, 0, 0, 0, 0]])
     tgt = jnp.array([[12, 13, 14, 1, 0, 0], [15, 16, 17, 18, 1, 0]])
     _grads_agree(
         Transformer(BASE), Transformer(BASE.replace(attention_impl="cudnn")), src, tgt,
-        rel=cudnn_precision,
+        rel=cudnn_run,
     )  # fmt: skip
 
 
-def test_the_transformer_with_cudnn_attention_on_packed_rows(on_cpu_anyway, cudnn_precision):
+def test_the_transformer_with_cudnn_attention_on_packed_rows(cudnn_run):
     """Packed rows reach cuDNN as segment tables in the encoder, the causal decoder and
     cross-attention (target example i attends to source example i only)."""
     src = jnp.array([[5, 6, 7, 1, 8, 9, 1, 0], [10, 11, 1, 12, 1, 13, 14, 1]])
@@ -334,14 +340,23 @@ def test_the_transformer_with_cudnn_attention_on_packed_rows(on_cpu_anyway, cudn
     )  # fmt: skip
     _grads_agree(
         Transformer(BASE), Transformer(BASE.replace(attention_impl="cudnn")), src, tgt,
-        rel=cudnn_precision, **packing,
+        rel=cudnn_run, **packing,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "impl,pattern", [("cudnn", "local:window=8"), ("splash", "local:window=8;bigbird")]
+    "impl,pattern",
+    [
+        ("cudnn", "local:window=8"),
+        ("splash", "local:window=8;bigbird"),
+        pytest.param("cudnn-on-gpu", "local:window=8", marks=pytest.mark.gpu),
+    ],
 )
-def test_the_language_model_with_fused_sparse_kernels(on_cpu_anyway, impl, pattern):
+def test_the_language_model_with_fused_sparse_kernels(request, impl, pattern):
+    if impl == "cudnn-on-gpu":
+        impl = "cudnn"
+    else:
+        request.getfixturevalue("on_cpu_anyway")
     config = BASE.replace(attention_pattern=pattern, attention_block_size=16)
     tokens = jax.random.randint(jax.random.key(3), (1, 128), 3, 50)
     _grads_agree(

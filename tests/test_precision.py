@@ -67,8 +67,11 @@ def _windows(losses):
     return losses.reshape(10, 20).mean(axis=1)  # 10 windows of 20 steps
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_bfloat16_training_follows_float32(dtype):
+@pytest.mark.parametrize(
+    "dtype,impl",
+    [("bfloat16", "blocked"), pytest.param("bfloat16", "cudnn", marks=pytest.mark.gpu)],
+)
+def test_bfloat16_training_follows_float32(dtype, impl):
     """200 steps of the same batches from the same initialization: bfloat16 compute
     keeps float32 parameters, Adam moments and loss, and its loss curve stays as close
     to float32's as float32's own curve is to runs from other seeds.
@@ -81,10 +84,11 @@ def test_bfloat16_training_follows_float32(dtype):
     too much to bound one by one: two seeds can cross within a window). Requiring the
     gap to be at most the spread leaves a 4x margin for other machines, while a
     precision fault that matters (a state or a softmax kept in bfloat16) moves the curve
-    by more than a seed does."""
+    by more than a seed does. On a GPU the same criterion holds with the attention in
+    cuDNN's fused kernel (impl=cudnn)."""
     batches = _batches(200)
     wide, wide_state = _train(MODEL, batches)
-    narrow, narrow_state = _train(MODEL.replace(dtype=dtype), batches)
+    narrow, narrow_state = _train(MODEL.replace(dtype=dtype, attention_impl=impl), batches)
     others = [_train(MODEL, batches, seed=seed)[0] for seed in (1, 2)]
     for leaf in jax.tree.leaves((narrow_state.params, narrow_state.opt_state)):
         assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype

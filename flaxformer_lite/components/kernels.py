@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,16 @@ FUSED = ("cudnn", "splash")
 def platform_mode(impl: str):
     """How ``impl`` runs here: ``"cudnn"`` on a GPU; splash's ``interpret`` flag
     (False) on a TPU; a ValueError naming the alternative elsewhere. Tests replace
-    this function to run both kernels on CPU (``"xla"``, ``interpret=True``)."""
+    this function to run both kernels on CPU (``"xla"``, ``interpret=True``); so does
+    ``FLAXFORMER_FUSED_ON_CPU=1`` in the environment, for dry runs of accelerator
+    scripts (the same code, computed by XLA / Pallas' interpreter)."""
     platform = jax.default_backend()
     if impl == "cudnn" and platform == "gpu":
         return "cudnn"
     if impl == "splash" and platform == "tpu":
         return False
+    if os.environ.get("FLAXFORMER_FUSED_ON_CPU", "0") not in ("", "0"):
+        return "xla" if impl == "cudnn" else True
     needs = {"cudnn": "an NVIDIA GPU", "splash": "a TPU"}[impl]
     raise ValueError(
         f"model.attention_impl={impl} needs {needs}, and this is {platform}; use "

@@ -1,0 +1,524 @@
+"""The accelerator path measured: train step (tokens/s, MFU), attention kernels, decoding.
+
+  python benchmarks/accelerator.py --out DIR             # on a GPU: ~5 min on an H200
+  python benchmarks/accelerator.py --out DIR --tiny      # dry run on CPU: same code, tiny sizes
+  python benchmarks/accelerator.py --out DIR --only attention,decode
+
+Sections (each writes ``DIR/accelerator.{json,md}`` as soon as it is done, so a run
+stopped by a time limit keeps what it measured; ``--minutes`` caps each section and
+the rows it did not reach are listed as such):
+
+* ``env``: device, driver, cuDNN and package versions; the bf16 matmul peak measured
+  here (best of ten 8192^3 products) beside the datasheet's dense bf16 peak.
+* ``train``: our train step for ende_small (its recipe batch, and a GPU-sized one),
+  paper_base and paper_big, bfloat16 compute with float32 parameters, attention by
+  cuDNN and by XLA's plain dense kernel; flax's examples/wmt (benchmarks/peer.py) on
+  the same shapes, dtype and batch in the same process. Attention dropout is 0 on both
+  sides (cuDNN's kernel has none); other dropout 0.1. Tokens/s counts real target
+  tokens; MFU = the analytic model FLOPs (training/flops.py, every slot of the packed
+  rows) per second over the measured matmul peak and over the datasheet's.
+  Batches are synthetic packed rows already on the device.
+* ``attention``: forward+backward time, achieved TFLOP/s and XLA's peak buffer size of
+  the kernels at 1k-64k tokens (B*n = 64k tokens, 8 heads of 64, bfloat16): cuDNN
+  dense, causal and causal local (window 256), the blocked causal local and BigBird
+  kernels, chunked dense (causal and not), and XLA's plain dense kernel up to 16k.
+  FLOPs count only the (query, key) pairs the pattern allows, 4 d per pair forward,
+  x3.5 for forward+backward (FlashAttention-2's count: the backward pass is 2.5
+  forwards). Ratios: each kernel's time over cuDNN's for the same pattern.
+* ``decode``: cached greedy and beam-4 new tokens/s at batch 1 and 64 (source 32, 64
+  new tokens, EOS never emitted so every row does the full work), ende_small and
+  paper_base shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM, TFLOP/s x 1e12
+SECTIONS = ("env", "train", "attention", "decode")
+
+
+# Helpers -------------------------------------------------------------------------------
+
+
+def _datasheet_peak(kind: str) -> float | None:
+    return next((v for k, v in DATASHEET_BF16.items() if k in kind), None)
+
+
+def _timed_blocks(run, blocks: int, per_block: int) -> float:
+    """Median over ``blocks`` of (seconds for ``per_block`` calls) / per_block: calls are
+    dispatched back to back and waited for at the end of each block."""
+    times = []
+    for _ in range(blocks):
+        t = time.perf_counter()
+        out = None
+        for _ in range(per_block):
+            out = run()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / per_block)
+    return statistics.median(times)
+
+
+class Budget:
+    """A section's wall-clock allowance: rows after it runs out are listed as not reached."""
+
+    def __init__(self, minutes: float):
+        self.end = time.monotonic() + 60 * minutes
+
+    def left(self) -> bool:
+        return time.monotonic() < self.end
+
+
+def _write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accelerator.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "accelerator.md").write_text(report(result))
+
+
+# env -----------------------------------------------------------------------------------
+
+
+def environment(tiny: bool) -> dict:
+    import flax
+    import optax
+
+    from flaxformer_lite.training.flops import matmul_peak_flops
+
+    dev = jax.devices()[0]
+    info = {
+        "device": dev.device_kind,
+        "platform": jax.default_backend(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+    }
+    try:
+        from jax._src.lib import cuda_versions
+
+        info["cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions else None
+    except Exception:  # noqa: BLE001 - a version string is optional
+        info["cudnn"] = None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        info["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        info["nvidia_smi"] = None
+    n = 256 if tiny else 8192
+    info["matmul_peak_tflops"] = matmul_peak_flops(n, 10, jnp.bfloat16) / 1e12
+    info["matmul_peak_shape"] = f"{n}^3 bf16"
+    sheet = _datasheet_peak(dev.device_kind)
+    info["datasheet_peak_tflops"] = None if sheet is None else sheet / 1e12
+    return info
+
+
+# train ---------------------------------------------------------------------------------
+
+
+def train_cases(tiny: bool):
+    """(label, ModelConfig, batch rows, row length) of the train-step rows."""
+    from flaxformer_lite.config import PRESETS, ModelConfig, model_config_from
+    from flaxformer_lite.experiment import load_config
+
+    ende = model_config_from(load_config(str(ROOT / "configs" / "ende_small.py")))
+    if tiny:
+        small = ModelConfig(
+            vocab_size=400, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+            num_decoder_layers=1, max_len=64,
+        )  # fmt: skip
+        return [("ende_small", ende.replace(**_shape(small)), 4, 32)]
+    return [
+        ("ende_small (recipe batch)", ende, 32, 64),
+        ("ende_small", ende, 512, 64),
+        ("paper_base", PRESETS["paper_base"].replace(vocab_size=37000), 200, 128),
+        ("paper_big", PRESETS["paper_big"].replace(vocab_size=37000), 200, 128),
+    ]
+
+
+def _shape(c) -> dict:
+    names = ("vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers")
+    return {n: getattr(c, n) for n in (*names, "num_decoder_layers", "max_len")}
+
+
+def _bf16(c, impl: str):
+    """The config as measured: bfloat16 compute, float32 parameters, dropout 0.1 except
+    on the attention weights (cuDNN's kernel has none)."""
+    return c.replace(
+        dtype="bfloat16", param_dtype="float32", attention_impl=impl, attention_dropout=0.0,
+        embedding_dropout=0.1, residual_dropout=0.1, ffn_dropout=0.0,
+    )  # fmt: skip
+
+
+def _our_step(config, length: int):
+    from flaxformer_lite.architectures.transformer import Transformer
+    from flaxformer_lite.experiment import OptimizerConfig
+    from flaxformer_lite.training import steps
+    from flaxformer_lite.training.state import create_train_state, make_optimizer
+
+    model = Transformer(config)
+    tx, schedule = make_optimizer(OptimizerConfig(warmup_steps=1000), config, 10_000)
+    state = create_train_state(model, tx, 0, length)
+    fn = jax.jit(
+        functools.partial(
+            steps.train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1
+        ),
+        donate_argnums=(0,),
+    )
+    return lambda s, b: fn(s, b), state
+
+
+def _peer_step(config, length: int):
+    import peer
+
+    fn, state, rng = peer.compiled_train_step(config, length, dropout=0.1, attention_dropout=0.0)
+    return lambda s, b: fn(s, b, rng), state
+
+
+def measure_train(tiny: bool, budget: Budget, peak: float, sheet: float | None) -> list[dict]:
+    from flaxformer_lite.data import pipeline
+    from flaxformer_lite.training import flops
+
+    rows = []
+    blocks, per_block = (2, 2) if tiny else (3, 10)
+    for label, base, batch, length in train_cases(tiny):
+        host = pipeline.synthetic_batch(batch, length, base.vocab_size)
+        data = {k: jnp.asarray(v) for k, v in host.items()}
+        tokens = int((host["targets"] != 0).sum())
+        step_flops = flops.train_step_flops(base, batch, length, length)
+        for who, impl in (("ours", "cudnn"), ("ours", "blocked"), ("flax examples/wmt", None)):
+            name = f"{who} ({'cuDNN' if impl == 'cudnn' else 'XLA dense'})" if impl else who
+            row = {"model": label, "batch": f"{batch}x{length}", "run": name}
+            if not budget.left():
+                rows.append({**row, "status": "not reached (time budget)"})
+                continue
+            try:
+                config = _bf16(base, impl or "blocked")
+                make = _peer_step if impl is None else _our_step
+                step, state = make(config, length)
+                holder = {"state": state}
+
+                def run(step=step, holder=holder, data=data):
+                    holder["state"], metrics = step(holder["state"], data)
+                    return metrics["loss"]
+
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                compile_s = time.perf_counter() - t0
+                jax.block_until_ready(run())
+                seconds = _timed_blocks(run, blocks, per_block)
+                row.update(
+                    status="ok",
+                    step_ms=1e3 * seconds,
+                    compile_s=compile_s,
+                    target_tokens_per_s=tokens / seconds,
+                    model_tflops_per_s=step_flops / seconds / 1e12,
+                    mfu_measured_peak=step_flops / seconds / peak,
+                    mfu_datasheet=None if sheet is None else step_flops / seconds / sheet,
+                )
+                del holder, state
+            except Exception as e:  # noqa: BLE001 - a failing row is a result to report
+                row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            rows.append(row)
+            print(_train_line(row), flush=True)
+    return rows
+
+
+# attention -----------------------------------------------------------------------------
+
+HEADS, HEAD_DIM, TOKENS, WINDOW = 8, 64, 65536, 256
+
+
+def attention_kernels():
+    """name: (fn(q, k, v), pattern for FLOP counting and cuDNN's row to compare with)."""
+    from flaxformer_lite.components import kernels
+    from flaxformer_lite.components.attention import dot_product_attention
+    from flaxformer_lite.components.chunked import chunked_attention
+    from flaxformer_lite.sparse import patterns as P
+    from flaxformer_lite.sparse.blocked import sparse_attention
+
+    local = P.Local(WINDOW).causal()
+    bigbird = P.bigbird(block_size=64, window_blocks=3, global_blocks=2, random_blocks=3)
+    return {
+        "cudnn dense": (lambda q, k, v: kernels.cudnn_attention(q, k, v), P.Full(), None),
+        "cudnn causal": (
+            lambda q, k, v: kernels.cudnn_attention(q, k, v, causal=True),
+            P.Full().causal(),
+            None,
+        ),
+        "cudnn local (causal)": (
+            lambda q, k, v: kernels.cudnn_attention(q, k, v, pattern=local),
+            local,
+            None,
+        ),
+        "blocked local (causal)": (
+            lambda q, k, v: sparse_attention(q, k, v, local, block_size=128),
+            local,
+            "cudnn local (causal)",
+        ),
+        "blocked bigbird": (
+            lambda q, k, v: sparse_attention(q, k, v, bigbird, block_size=64),
+            bigbird,
+            "cudnn dense",
+        ),
+        "chunked dense": (lambda q, k, v: chunked_attention(q, k, v), P.Full(), "cudnn dense"),
+        "chunked causal": (
+            lambda q, k, v: chunked_attention(q, k, v, causal=True),
+            P.Full().causal(),
+            "cudnn causal",
+        ),
+        "xla dense": (lambda q, k, v: dot_product_attention(q, k, v), P.Full(), "cudnn dense"),
+    }
+
+
+def _allowed_pairs(pattern, n: int) -> float:
+    """(query, key) pairs the pattern allows at length n (exact below 16k, else by the
+    pattern's density at 16k, which is what a band or block pattern keeps)."""
+    if type(pattern).__name__ == "Full":
+        return n * (n + 1) / 2 if pattern.is_causal else float(n) * n
+    if type(pattern).__name__ == "Local" and pattern.is_causal:
+        w = pattern.window
+        return float(sum(min(i, w) + 1 for i in range(n)))
+    m = min(n, 4096)
+    return float(np.asarray(pattern.mask(m)).sum()) * (n / m)
+
+
+def measure_attention(tiny: bool, budget: Budget, max_len: int) -> list[dict]:
+    lengths = [256, 512] if tiny else [1024, 4096, 16384, 65536]
+    lengths = [n for n in lengths if n <= max_len]
+    tokens = 1024 if tiny else TOKENS
+    rows = []
+    for n in lengths:
+        b = max(1, tokens // n)
+        keys = jax.random.split(jax.random.key(n), 4)
+        q, k, v, w = (jax.random.normal(x, (b, n, HEADS, HEAD_DIM), jnp.bfloat16) for x in keys)
+        for name, (fn, pattern, _) in attention_kernels().items():
+            row = {"kernel": name, "length": n, "batch": b}
+            if name == "xla dense" and n > (512 if tiny else 16384):
+                rows.append({**row, "status": "skipped (n x n weights)"})
+                continue
+            if not budget.left():
+                rows.append({**row, "status": "not reached (time budget)"})
+                continue
+            try:
+                loss = lambda q, k, v, fn=fn, w=w: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+                step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                compiled = step.lower(q, k, v).compile()
+                mem = compiled.memory_analysis()
+                call = functools.partial(compiled, q, k, v)
+                jax.block_until_ready(call())
+                seconds = _timed_blocks(call, 3, 3)
+                useful = 3.5 * 4 * HEAD_DIM * HEADS * b * _allowed_pairs(pattern, n)
+                peak_bytes = None
+                if mem is not None:
+                    peak_bytes = (
+                        mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                        + mem.output_size_in_bytes
+                    )  # fmt: skip
+                row.update(
+                    status="ok", fwd_bwd_ms=1e3 * seconds, tflops_per_s=useful / seconds / 1e12,
+                    peak_mib=None if peak_bytes is None else peak_bytes / 2**20,
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            rows.append(row)
+            print(_attention_line(row), flush=True)
+    _attention_ratios(rows)
+    return rows
+
+
+def _attention_ratios(rows: list[dict]) -> None:
+    """Each row's time over its cuDNN counterpart's at the same length."""
+    kernels = {name: ref for name, (_, _, ref) in attention_kernels().items()}
+    ms = {(r["kernel"], r["length"]): r.get("fwd_bwd_ms") for r in rows}
+    for r in rows:
+        ref = kernels.get(r["kernel"])
+        mine, theirs = r.get("fwd_bwd_ms"), ms.get((ref, r["length"]))
+        if ref and mine and theirs:
+            r["vs_cudnn"] = f"{mine / theirs:.2f}x {ref}"
+
+
+# decode --------------------------------------------------------------------------------
+
+
+def measure_decode(tiny: bool, budget: Budget) -> list[dict]:
+    from flaxformer_lite import decoding
+    from flaxformer_lite.architectures.transformer import Transformer
+    from flaxformer_lite.config import PRESETS
+
+    source, new = (8, 8) if tiny else (32, 64)
+    cases = [(label, c) for label, c, _, _ in train_cases(tiny) if "recipe" not in label]
+    if not tiny:
+        cases = [cases[0], ("paper_base", PRESETS["paper_base"].replace(vocab_size=37000))]
+    rows = []
+    for label, base in cases:
+        config = base.replace(dtype="bfloat16", param_dtype="float32")
+        model = Transformer(config)
+        params = jax.jit(model.init)(
+            jax.random.key(0), jnp.ones((1, source), jnp.int32), jnp.ones((1, source), jnp.int32)
+        )["params"]
+        kw = dict(max_length=new, eos_id=-1, bos_id=config.bos_id)  # EOS never emitted
+        methods = {
+            "greedy": jax.jit(lambda p, x, kw=kw, m=model: decoding.sample(m, p, x, **kw)),
+            "beam 4": jax.jit(
+                lambda p, x, kw=kw, m=model: decoding.beam_search(
+                    m, p, x, beam_size=4, alpha=0.6, **kw
+                )
+            ),
+        }
+        for batch in (1, 64):
+            key = jax.random.key(batch)
+            inputs = jax.random.randint(key, (batch, source), 3, config.vocab_size)
+            for method, fn in methods.items():
+                row = {"model": label, "method": method, "batch": batch}
+                if not budget.left():
+                    rows.append({**row, "status": "not reached (time budget)"})
+                    continue
+                try:
+                    jax.block_until_ready(fn(params, inputs))
+                    seconds = _timed_blocks(functools.partial(fn, params, inputs), 3, 1)
+                    row.update(status="ok", seconds=seconds, new_tokens_per_s=batch * new / seconds)
+                except Exception as e:  # noqa: BLE001
+                    row.update(status=f"failed: {type(e).__name__}: {str(e)[:300]}")
+                rows.append(row)
+                print(_decode_line(row), flush=True)
+    return rows
+
+
+# report --------------------------------------------------------------------------------
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _train_line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return f"| {r['model']} | {r['batch']} | {r['run']} | {r.get('status')} | | | |"
+    return (
+        f"| {r['model']} | {r['batch']} | {r['run']} | {r['step_ms']:.2f} | "
+        f"{r['target_tokens_per_s']:,.0f} | {100 * r['mfu_measured_peak']:.1f}% | "
+        + (f"{100 * r['mfu_datasheet']:.1f}% |" if r["mfu_datasheet"] is not None else "- |")
+    )
+
+
+def _attention_line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return f"| {r['kernel']} | {r['length']} | {r['batch']} | {r.get('status')} | | | |"
+    return (
+        f"| {r['kernel']} | {r['length']} | {r['batch']} | {r['fwd_bwd_ms']:.2f} | "
+        f"{r['tflops_per_s']:.3g} | {_fmt(r['peak_mib'], '.0f')} | {r.get('vs_cudnn', '')} |"
+    )
+
+
+def _decode_line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return f"| {r['model']} | {r['method']} | {r['batch']} | {r.get('status')} | |"
+    return (
+        f"| {r['model']} | {r['method']} | {r['batch']} | {r['seconds']:.4f} | "
+        f"{r['new_tokens_per_s']:,.0f} |"
+    )
+
+
+def report(result: dict) -> str:
+    env = result.get("env", {})
+    lines = [f"`{result['command']}`", ""]
+    if env:
+        lines += [
+            f"{env['device']} ({env['platform']}; {env.get('nvidia_smi') or 'no nvidia-smi'}); "
+            f"cuDNN {env.get('cudnn')}; jax {env['jax']}, flax {env['flax']}, "
+            f"Python {env['python']}. Matmul peak measured here: "
+            f"{env['matmul_peak_tflops']:.3g} TFLOP/s ({env['matmul_peak_shape']}); datasheet "
+            f"dense bf16: {_fmt(env.get('datasheet_peak_tflops'), '.0f')} TFLOP/s.",
+            "",
+        ]
+    if "train" in result:
+        lines += [
+            "## Train step (bfloat16 compute, float32 parameters)",
+            "",
+            "| model | batch | run | step (ms) | target tokens/s | MFU (measured peak) "
+            "| MFU (datasheet) |",
+            "|---|---|---|---|---|---|---|",
+            *(_train_line(r) for r in result["train"]),
+            "",
+        ]
+    if "attention" in result:
+        lines += [
+            "## Attention, forward + backward (bfloat16, 8 heads of 64, B*n = 64k tokens)",
+            "",
+            "| kernel | length | batch | fwd+bwd (ms) | TFLOP/s | peak MiB | vs cuDNN |",
+            "|---|---|---|---|---|---|---|",
+            *(_attention_line(r) for r in result["attention"]),
+            "",
+        ]
+    if "decode" in result:
+        lines += [
+            "## Cached decoding (source 32, 64 new tokens per row)",
+            "",
+            "| model | method | batch | seconds | new tokens/s |",
+            "|---|---|---|---|---|",
+            *(_decode_line(r) for r in result["decode"]),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for accelerator.{json,md}")
+    parser.add_argument("--tiny", action="store_true", help="dry run: tiny sizes (CPU)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="sections, comma-separated")
+    parser.add_argument("--minutes", type=float, default=2.0, help="cap per section")
+    parser.add_argument("--max_len", type=int, default=65536, help="longest attention length")
+    args = parser.parse_args()
+    only = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"error: --only {','.join(unknown)}: sections are {', '.join(SECTIONS)}")
+    if jax.default_backend() != "gpu":
+        if not args.tiny:
+            raise SystemExit(
+                "error: no GPU here (JAX sees "
+                f"{jax.default_backend()}); run on a GPU, or add --tiny for a CPU dry run"
+            )
+        os.environ["FLAXFORMER_FUSED_ON_CPU"] = "1"  # cuDNN rows through XLA, same code
+    out = Path(args.out)
+    result = {"command": "python benchmarks/accelerator.py " + " ".join(sys.argv[1:])}
+    result["env"] = environment(args.tiny)
+    _write(out, result)
+    peak = result["env"]["matmul_peak_tflops"] * 1e12
+    sheet = result["env"]["datasheet_peak_tflops"]
+    sheet = None if sheet is None else sheet * 1e12
+    if "train" in only:
+        result["train"] = measure_train(args.tiny, Budget(args.minutes), peak, sheet)
+        _write(out, result)
+    if "attention" in only:
+        result["attention"] = measure_attention(args.tiny, Budget(args.minutes), args.max_len)
+        _write(out, result)
+    if "decode" in only:
+        result["decode"] = measure_decode(args.tiny, Budget(args.minutes))
+        _write(out, result)
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
