@@ -137,8 +137,8 @@ def environment(tiny: bool) -> dict:
 
 def train_cases(tiny: bool):
     """(label, ModelConfig, batch rows, row length) of the train-step rows."""
-    from flaxformer_lite.config import PRESETS, ModelConfig, model_config_from
-    from flaxformer_lite.experiment import load_config
+    from flaxformer_lite.config.experiment import load_config
+    from flaxformer_lite.config.model import PRESETS, ModelConfig, model_config_from
 
     ende = model_config_from(load_config(str(ROOT / "configs" / "ende_small.py")))
     if tiny:
@@ -170,8 +170,8 @@ def _bf16(c, impl: str):
 
 
 def _our_step(config, length: int):
-    from flaxformer_lite.architectures.transformer import Transformer
-    from flaxformer_lite.experiment import OptimizerConfig
+    from flaxformer_lite.config.experiment import OptimizerConfig
+    from flaxformer_lite.model.transformer import Transformer
     from flaxformer_lite.training import steps
     from flaxformer_lite.training.state import create_train_state, make_optimizer
 
@@ -250,9 +250,9 @@ HEADS, HEAD_DIM, TOKENS, WINDOW = 8, 64, 65536, 256
 
 def attention_kernels():
     """name: (fn(q, k, v), pattern for FLOP counting and cuDNN's row to compare with)."""
-    from flaxformer_lite.components import kernels
-    from flaxformer_lite.components.attention import dot_product_attention
-    from flaxformer_lite.components.chunked import chunked_attention
+    from flaxformer_lite.model import kernels
+    from flaxformer_lite.model.attention import dot_product_attention
+    from flaxformer_lite.model.chunked import chunked_attention
     from flaxformer_lite.sparse import patterns as P
     from flaxformer_lite.sparse.blocked import sparse_attention
 
@@ -361,9 +361,9 @@ def _attention_ratios(rows: list[dict]) -> None:
 
 
 def measure_decode(tiny: bool, budget: Budget) -> list[dict]:
-    from flaxformer_lite import decoding
-    from flaxformer_lite.architectures.transformer import Transformer
-    from flaxformer_lite.config import PRESETS
+    from flaxformer_lite.config.model import PRESETS
+    from flaxformer_lite.inference import decoding
+    from flaxformer_lite.model.transformer import Transformer
 
     source, new = (8, 8) if tiny else (32, 64)
     cases = [(label, c) for label, c, _, _ in train_cases(tiny) if "ende_small" == label]

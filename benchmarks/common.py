@@ -1,6 +1,6 @@
 """Model shapes shared by the benchmarks, defined once so that their numbers compare."""
 
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
 
 # 256 wide, 3+3 layers, 4 heads, FFN 1024, vocab 8000: configs/ende_small.py's sizes, with
 # the paper's post-LN and dropout 0.1 (ende_small trains pre-LN with dropout 0.2).

@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import peer  # noqa: E402
 from common import TINY  # noqa: E402
 
-from flaxformer_lite import decoding  # noqa: E402
-from flaxformer_lite.architectures.transformer import Transformer  # noqa: E402
+from flaxformer_lite.inference import decoding  # noqa: E402
+from flaxformer_lite.model.transformer import Transformer  # noqa: E402
 
 BATCH, SOURCE, NEW = 32, 64, 64
 NEVER = -1  # an EOS id no argmax can produce: fixed-length decoding

@@ -26,9 +26,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flaxformer_lite import experiment  # noqa: E402
-from flaxformer_lite.architectures import build_model  # noqa: E402
-from flaxformer_lite.config import model_config_from  # noqa: E402
+from flaxformer_lite.config import experiment  # noqa: E402
+from flaxformer_lite.config.model import model_config_from  # noqa: E402
+from flaxformer_lite.model.build import build_model  # noqa: E402
 from flaxformer_lite.training import steps  # noqa: E402
 from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
 

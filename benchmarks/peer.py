@@ -32,7 +32,7 @@ import optax
 from flax import linen as nn
 from flax.training import train_state
 
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
 
 CACHE = Path(__file__).resolve().parent / ".peer"
 FILES = ("models.py", "decode.py")

@@ -39,11 +39,11 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flaxformer_lite import partitioning  # noqa: E402
-from flaxformer_lite.architectures import Transformer  # noqa: E402
-from flaxformer_lite.config import PRESETS  # noqa: E402
+from flaxformer_lite.config.experiment import OptimizerConfig  # noqa: E402
+from flaxformer_lite.config.model import PRESETS  # noqa: E402
 from flaxformer_lite.data import pipeline  # noqa: E402
-from flaxformer_lite.experiment import OptimizerConfig  # noqa: E402
+from flaxformer_lite.model import partitioning  # noqa: E402
+from flaxformer_lite.model.transformer import Transformer  # noqa: E402
 from flaxformer_lite.training.parallel import Parallel  # noqa: E402
 from flaxformer_lite.training.state import (  # noqa: E402
     create_train_state,

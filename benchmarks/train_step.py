@@ -44,10 +44,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import peer  # noqa: E402
 from common import BASE_LIKE, TINY  # noqa: E402
 
-from flaxformer_lite.architectures.transformer import Transformer  # noqa: E402
-from flaxformer_lite.config import ModelConfig  # noqa: E402
+from flaxformer_lite.config.experiment import OptimizerConfig  # noqa: E402
+from flaxformer_lite.config.model import ModelConfig  # noqa: E402
 from flaxformer_lite.data import pipeline, sources  # noqa: E402
-from flaxformer_lite.experiment import OptimizerConfig  # noqa: E402
+from flaxformer_lite.model.transformer import Transformer  # noqa: E402
 from flaxformer_lite.training import flops, steps  # noqa: E402
 from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
 

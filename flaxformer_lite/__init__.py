@@ -11,21 +11,21 @@ import importlib
 from typing import TYPE_CHECKING
 
 _PUBLIC = {
-    "LanguageModel": "flaxformer_lite.architectures.lm",
-    "Transformer": "flaxformer_lite.architectures.transformer",
-    "PRESETS": "flaxformer_lite.config",
-    "ConfigError": "flaxformer_lite.config",
-    "ModelConfig": "flaxformer_lite.config",
-    "get_preset": "flaxformer_lite.config",
+    "LanguageModel": "flaxformer_lite.model.lm",
+    "Transformer": "flaxformer_lite.model.transformer",
+    "PRESETS": "flaxformer_lite.config.model",
+    "ConfigError": "flaxformer_lite.config.model",
+    "ModelConfig": "flaxformer_lite.config.model",
+    "get_preset": "flaxformer_lite.config.model",
 }
 
 __all__ = ["PRESETS", "ConfigError", "LanguageModel", "ModelConfig", "Transformer", "get_preset"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what static tools and IDEs see
-    from flaxformer_lite.architectures.lm import LanguageModel
-    from flaxformer_lite.architectures.transformer import Transformer
-    from flaxformer_lite.config import PRESETS, ConfigError, ModelConfig, get_preset
+    from flaxformer_lite.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+    from flaxformer_lite.model.lm import LanguageModel
+    from flaxformer_lite.model.transformer import Transformer
 
 
 def __getattr__(name: str):
@@ -33,7 +33,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value  # later look-ups skip this function
         return value
-    # A submodule (flaxformer_lite.decoding, ...) not imported yet.
+    # A submodule (flaxformer_lite.inference.decoding, ...) not imported yet.
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:

@@ -136,13 +136,13 @@ def _fail(message: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from flaxformer_lite.checkpoints import CheckpointError
-    from flaxformer_lite.config import ConfigError
+    from flaxformer_lite.config.model import ConfigError
     from flaxformer_lite.data.prepare import PrepareError
-    from flaxformer_lite.sweep import SweepError
+    from flaxformer_lite.inference.translate import TranslateError
+    from flaxformer_lite.sweep.runner import SweepError
     from flaxformer_lite.training.distributed import DistributedError, PeerLostError
     from flaxformer_lite.training.train import TrainingError
-    from flaxformer_lite.translate import TranslateError
+    from flaxformer_lite.workdir.checkpoints import CheckpointError
 
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax/absl INFO and WARNING lines are noise here
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> None:
     if command not in COMMANDS or (len(argv) > 2 and command not in TAKES_TEXT):
         _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
     if command == "fields":
-        from flaxformer_lite.experiment import field_table
+        from flaxformer_lite.config.experiment import field_table
 
         print(field_table())
         return
@@ -185,17 +185,17 @@ def main(argv: list[str]) -> None:
             )
             train_and_evaluate(_CONFIG.value, _WORKDIR.value)
         elif command == "average":
-            from flaxformer_lite.average import average_workdir
+            from flaxformer_lite.inference.average import average_workdir
 
             average_workdir(_WORKDIR.value, _NUM.value)
         elif command == "translate":
-            from flaxformer_lite import streaming
+            from flaxformer_lite.inference import streaming
 
             streaming.translate_main(
                 _WORKDIR.value, argv[2:], _INPUT.value, _ENSEMBLE.value, **decode_options
             )
         elif command == "generate":
-            from flaxformer_lite import streaming
+            from flaxformer_lite.inference import streaming
 
             streaming.generate_main(
                 _WORKDIR.value,
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> None:
                 seed=_SEED.value,
             )
         elif command == "attention":
-            from flaxformer_lite import attention_maps
+            from flaxformer_lite.inference import attention_maps
 
             attention_maps.main(
                 _WORKDIR.value, argv[2:], _OUTPUT.value, _TARGET.value, **decode_options
@@ -217,7 +217,7 @@ def main(argv: list[str]) -> None:
         elif command == "sweep":
             _sweep(decode_options)
         elif command == "evaluate":
-            from flaxformer_lite.evaluation import evaluate_workdir
+            from flaxformer_lite.inference.evaluation import evaluate_workdir
 
             evaluate_workdir(
                 _WORKDIR.value,
@@ -276,7 +276,7 @@ class _NotFromOrbax(std_logging.Filter):
 def _sweep(decode_options: dict) -> None:
     import jax
 
-    from flaxformer_lite import sweep
+    from flaxformer_lite.sweep import runner as sweep
 
     # This process only validates, counts parameters and tabulates: it stays on the CPU
     # so that the runs it starts (in their own processes) get the accelerators.

@@ -51,11 +51,11 @@ def _child(case: dict, out_path: str, err_path: str) -> None:
 def main() -> None:
     cases = json.loads(open(sys.argv[1]).read())
     # What the commands import, once, before forking (no JAX computation here).
-    import flaxformer_lite.evaluation  # noqa: F401
+    import flaxformer_lite.inference.evaluation  # noqa: F401
+    import flaxformer_lite.inference.streaming  # noqa: F401
+    import flaxformer_lite.inference.translate  # noqa: F401
     import flaxformer_lite.main  # noqa: F401
-    import flaxformer_lite.streaming  # noqa: F401
     import flaxformer_lite.training.train  # noqa: F401
-    import flaxformer_lite.translate  # noqa: F401
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

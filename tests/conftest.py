@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from flaxformer_lite.config import ModelConfig  # noqa: E402
+from flaxformer_lite.config.model import ModelConfig  # noqa: E402
 
 
 @pytest.fixture

@@ -142,7 +142,7 @@ OPTIMIZED = {"xla_backend_optimization_level": 3}
 
 def load_config(name: str = "ende_small", arg: str | None = "debug"):
     """The ml_collections config of ``configs/<name>.py`` with its ``arg`` variant."""
-    from flaxformer_lite import experiment
+    from flaxformer_lite.config import experiment
 
     return experiment.load_config(str(ROOT / "configs" / f"{name}.py"), arg)
 

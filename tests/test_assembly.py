@@ -6,13 +6,13 @@ import numpy as np
 import optax
 import pytest
 
-from flaxformer_lite.architectures.transformer import Transformer
-from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.experiment import validate_experiment
+from flaxformer_lite.config.model import ConfigError
 from flaxformer_lite.data import cooccurrence, pipeline, sources
 from flaxformer_lite.data.assembly import prepare_data
 from flaxformer_lite.data.tokenizer import UNK_ID
-from flaxformer_lite.experiment import validate_experiment
-from flaxformer_lite.run import Run
+from flaxformer_lite.inference.run import Run
+from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training.state import (
     create_train_state,
 )

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.components import attention as A
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.model import attention as A
+from flaxformer_lite.model.partitioning import unbox
 
 
 def _np_softmax(x, mask):
@@ -160,7 +160,7 @@ def test_registry_adds_a_score_in_one_place():
     name = "test_negated_dot"
     if name not in A.score_fn_names():
         A.register_score_fn(name)(lambda **_: lambda q, k: -A.dot_scores(q, k))
-    from flaxformer_lite.config import ModelConfig
+    from flaxformer_lite.config.model import ModelConfig
 
     ModelConfig(score_fn=name)  # the config accepts it with no other edit
     q, k, v, _ = _inputs()

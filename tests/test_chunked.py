@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import LanguageModel, ModelConfig, Transformer
-from flaxformer_lite.components.attention import dot_product_attention
-from flaxformer_lite.components.chunked import chunked_attention
-from flaxformer_lite.config import ConfigError
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.config.model import ConfigError
+from flaxformer_lite.model.attention import dot_product_attention
+from flaxformer_lite.model.chunked import chunked_attention
+from flaxformer_lite.model.partitioning import unbox
 
 
 def _arrays(b, n, m, h, d, seed=0, dtype=jnp.float64):

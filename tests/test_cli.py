@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.run import Run
+from flaxformer_lite.inference.run import Run
 from flaxformer_lite.training.state import abstract_train_state
 from flaxformer_lite.training.train import train_and_evaluate
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from tests.fixtures import load_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

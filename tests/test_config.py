@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite import PRESETS, ConfigError, LanguageModel, ModelConfig, Transformer
-from flaxformer_lite.config import get_preset, model_config_from
-from flaxformer_lite.experiment import load_config
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.config.experiment import load_config
+from flaxformer_lite.config.model import get_preset, model_config_from
+from flaxformer_lite.model.partitioning import unbox
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -168,12 +168,12 @@ def test_config_file_overrides_and_locking():
 
 def test_registries_check_the_config_in_a_fresh_process():
     """The score-function registry and the sparse-spec grammar check a ModelConfig even
-    when nothing but flaxformer_lite.config was imported (the package imports them)."""
+    when nothing but flaxformer_lite.config.model was imported (the package imports them)."""
     import subprocess
     import sys
 
     code = (
-        "from flaxformer_lite.config import ConfigError, ModelConfig\n"
+        "from flaxformer_lite.config.model import ConfigError, ModelConfig\n"
         "for bad in (dict(score_fn='cosine'), dict(attention_pattern='nope')):\n"
         "    try:\n"
         "        ModelConfig(**bad)\n"

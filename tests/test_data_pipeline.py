@@ -11,10 +11,10 @@ import pytest
 import tensorflow_datasets as tfds
 
 from flaxformer_lite import Transformer
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data import builders, pipeline, prepare, sources
 from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.steps import eval_step
 from tests import fixtures

@@ -11,9 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from flaxformer_lite import LanguageModel, ModelConfig, Transformer, decoding
-from flaxformer_lite.evaluation import corpus_scores
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite import LanguageModel, ModelConfig, Transformer
+from flaxformer_lite.inference import decoding
+from flaxformer_lite.inference.evaluation import corpus_scores
+from flaxformer_lite.model.partitioning import unbox
 from tests.fixtures import OPTIMIZED
 
 CFG = ModelConfig(

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.components.embedding import (
+from flaxformer_lite.model.embedding import (
     Embed,
     LearnedPositions,
     sinusoidal_encoding,
     sinusoidal_positions,
 )
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.model.partitioning import unbox
 
 
 def test_sinusoid_literal_values():

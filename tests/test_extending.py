@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import ModelConfig, Transformer
-from flaxformer_lite.components import attention, sparse
-from flaxformer_lite.config import ConfigError
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.config import rules
+from flaxformer_lite.config.model import ConfigError
+from flaxformer_lite.model import attention
+from flaxformer_lite.model.partitioning import unbox
+from flaxformer_lite.sparse import spec
 
 GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
@@ -29,7 +31,9 @@ def registered():
         exec(compile(code, "docs/extending.md", "exec"), namespace)  # noqa: S102
     yield namespace
     attention._SCORE_FNS.pop("cosine", None)
-    sparse._ATOMS.pop("local_dilated", None)
+    if "cosine" in rules.SCORE_FUNCTIONS:
+        rules.SCORE_FUNCTIONS.remove("cosine")
+    spec._ATOMS.pop("local_dilated", None)
 
 
 def test_readme_has_the_three_examples():
@@ -38,7 +42,7 @@ def test_readme_has_the_three_examples():
 
 def test_registered_score_function_and_pattern_work(registered):
     assert registered["config"].score_fn == "cosine"
-    assert "local_dilated" in sparse.pattern_names()
+    assert "local_dilated" in spec.pattern_names()
     small = dict(
         vocab_size=40, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
         num_decoder_layers=1, max_len=64, attention_block_size=16,
@@ -55,7 +59,7 @@ def test_registered_score_function_and_pattern_work(registered):
         logits = model.apply({"params": params}, src, src[:, :20])
         assert logits.shape == (1, 20, 40) and bool(jnp.isfinite(logits).all())
     # the pattern is the union the example builds
-    pattern = sparse.layer_patterns(
+    pattern = spec.layer_patterns(
         config.attention_pattern, 0, 2, block_size=16, seed=0, causal=False
     )[0]
     i, j = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
@@ -67,4 +71,4 @@ def test_unregistered_names_are_config_errors():
     with pytest.raises(ConfigError, match="local_dilated"):
         ModelConfig(attention_pattern="local_dilated")
     with pytest.raises(ValueError, match="taken"):
-        sparse.register_pattern("local", {})(lambda a, b, s: None)
+        spec.register_pattern("local", {})(lambda a, b, s: None)

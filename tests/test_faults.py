@@ -18,10 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.evaluation import evaluate_workdir
+from flaxformer_lite.inference.evaluation import evaluate_workdir
+from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.training.state import abstract_train_state
-from flaxformer_lite.translate import Translator
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from tests.fixtures import debug_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import ModelConfig, Transformer, decoding
-from flaxformer_lite.architectures.transformer import shift_right
-from flaxformer_lite.config import ConfigError
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite import ModelConfig, Transformer
+from flaxformer_lite.config.model import ConfigError
+from flaxformer_lite.inference import decoding
+from flaxformer_lite.model.partitioning import unbox
+from flaxformer_lite.model.transformer import shift_right
 
 # Two decoder layers: the second layer's cache holds keys computed from the first's
 # cached output. Small otherwise: the point is the dtypes and the cache indexing.

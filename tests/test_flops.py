@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite import LanguageModel, ModelConfig, Transformer
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.training import flops
 
 

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.inference.translate import TranslateError, Translator
+from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.training.train import train_and_evaluate
-from flaxformer_lite.translate import TranslateError, Translator
 from tests.fixtures import load_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -1,20 +1,20 @@
 """The import graph: imports point down the layers, and none hides inside a function.
 
-The layers, bottom to top (a module may import its own layer and those below):
+The layers are the package's folders, bottom to top (a module may import its own
+folder and those below; each folder's ``__init__`` docstring says the same):
 
-  0  sections, config, experiment, checkpoints, data/, sparse/   (no models)
-  1  components/                                        (building blocks)
-  2  architectures/                                     (whole models)
-  3  decoding, run                                      (search; a run folder, read-only)
-  4  translate                                          (Translator)
-  5  evaluation, average, attention_maps                (BLEU; averaging; pictures)
-  6  training/                                          (the loop and its parts)
-  7  sweep                                              (grids of runs, as subprocesses)
-  8  main                                               (the command line)
+  0  sparse/      patterns as data, blocked kernels (nothing of the project)
+  1  config/      fields, the model section, experiment sections, rules
+  2  data/, workdir/   corpora and pipeline; the run folder on disk
+  3  model/       components, the Transformer and LM, partitioning
+  4  inference/   decoding, translate, evaluation, averaging, pictures
+  5  training/    the loop and its parts
+  6  sweep/       grids of runs, as subprocesses
+  7  main         the command line
 
-The README's architecture section states the same layers in one line
-(``0 `sections`, … → 1 `components/` → …``); ``test_readme_states_the_layers`` and
-``test_readme_map_lists_every_module`` keep the two in step.
+A new module inside a folder touches neither this test nor the README, whose
+architecture section states the same order in one line (``0 `sparse/` → …``) and
+gives one line per folder; ``test_readme_*`` keep the two in step.
 """
 
 import ast
@@ -27,25 +27,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "flaxformer_lite"
 
 LAYERS = {
-    "sections": 0,
-    "config": 0,
-    "experiment": 0,
-    "checkpoints": 0,
-    "partitioning": 0,
-    "data": 0,
     "sparse": 0,
-    "components": 1,
-    "architectures": 2,
-    "decoding": 3,
-    "run": 3,
-    "translate": 4,
-    "evaluation": 5,
-    "average": 5,
-    "attention_maps": 5,
-    "streaming": 5,
-    "training": 6,
-    "sweep": 7,
-    "main": 8,
+    "config": 1,
+    "data": 2,
+    "workdir": 2,
+    "model": 3,
+    "inference": 4,
+    "training": 5,
+    "sweep": 6,
+    "main": 7,
 }
 # main.py defers its imports into the command it runs, so `--help` and a config error
 # answer before JAX loads; everywhere else an import inside a function hides an edge.
@@ -122,8 +112,7 @@ def test_no_project_import_inside_a_function():
 
 
 @pytest.mark.parametrize(
-    "low,high",
-    [("components", "architectures"), ("components", "training"), ("run", "training")],
+    "low,high", [("model", "training"), ("inference", "training"), ("config", "model")]
 )
 def test_named_boundaries(low, high):
     """The boundaries the README promises, spelled out."""
@@ -133,27 +122,29 @@ def test_named_boundaries(low, high):
     assert not crossing
 
 
-def test_inference_does_not_import_training():
-    inference = {"run", "translate", "evaluation", "average", "decoding"}
-    crossing = [
-        (m, t) for m, t, _, _ in _edges() if m in inference and t.split(".")[0] == "training"
-    ]
-    assert not crossing
+def test_every_folder_is_a_layer_with_a_docstring():
+    """Each folder of the package is a layer; its ``__init__`` says what it holds."""
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders == {name for name in LAYERS if (PACKAGE / name).is_dir()}
+    for name in folders:
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+        assert doc and len(doc) > 80, f"{name}/__init__.py: say what the folder holds"
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert loose == ["main.py"], f"modules outside a layer folder: {loose}"
 
 
-def test_readme_map_lists_every_module():
-    """Every module file appears in the README's architecture map, and every file
-    the map names exists."""
+def test_readme_map_lists_every_folder():
+    """The README's architecture map has a line per folder (and main.py), and every
+    file or folder it names exists."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Architecture") :]
     section = section[: section.index("\n## ", 1)]
-    files = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
-    files -= {f for f in files if f.endswith("__init__.py")}
-    missing = sorted(f for f in files if pathlib.PurePosixPath(f).name not in section)
-    assert not missing, f"the README's architecture map does not mention {missing}"
     block = section[section.index("```") : section.index("```", section.index("```") + 3)]
+    for name in LAYERS:
+        entry = f"{name}/" if (PACKAGE / name).is_dir() else f"{name}.py"
+        assert re.search(rf"^\s+{re.escape(entry)}\s", block, re.M), f"the map lacks {entry}"
     named = set(re.findall(r"\b(\w+\.py)\b", block))
-    existing = {pathlib.PurePosixPath(f).name for f in files}
+    existing = {p.name for p in PACKAGE.rglob("*.py")}
     existing |= {p.name for d in ("benchmarks", "tests") for p in (ROOT / d).glob("*.py")}
     stale = sorted(named - existing)
     assert not stale, f"the README's architecture map names files that do not exist: {stale}"
@@ -163,7 +154,7 @@ def test_readme_states_the_layers():
     """The README's one-line layer order is LAYERS, module for module."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Architecture") :]
-    start = section.index("0 `sections`")
+    start = section.index("0 `sparse/`")
     chain = " ".join(section[start : section.index("\n\n", start)].split())
     stated = {}
     for group in chain.split("→"):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flaxformer_lite.components.masks import (
+from flaxformer_lite.model.masks import (
     combine_masks,
     make_causal_mask,
     make_padding_mask,

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.components.masks import make_causal_mask
-from flaxformer_lite.components.multihead import MultiHeadAttention
-from flaxformer_lite.config import ModelConfig
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model.masks import make_causal_mask
+from flaxformer_lite.model.multihead import MultiHeadAttention
+from flaxformer_lite.model.partitioning import unbox
 
 CFG = ModelConfig(vocab_size=10, d_model=12, num_heads=3, d_k=5, d_v=7, d_ff=8, max_len=16)
 

@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from flaxformer_lite import checkpoints as ckpt_lib
 from flaxformer_lite.training import distributed
 from flaxformer_lite.training.state import abstract_train_state
 from flaxformer_lite.training.train import train_and_evaluate
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from tests import fixtures
 from tests.fixtures import debug_config
 

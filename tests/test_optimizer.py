@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from flaxformer_lite.architectures.transformer import Transformer
-from flaxformer_lite.config import ConfigError, ModelConfig
-from flaxformer_lite.experiment import OptimizerConfig, validate_experiment
+from flaxformer_lite.config.experiment import OptimizerConfig, validate_experiment
+from flaxformer_lite.config.model import ConfigError, ModelConfig
+from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training.state import (
     TrainState,
     create_train_state,

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite import experiment
-from flaxformer_lite.architectures import build_model
-from flaxformer_lite.average import average_workdir
+from flaxformer_lite.config import experiment
+from flaxformer_lite.inference.average import average_workdir
+from flaxformer_lite.inference.translate import Translator
+from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import schedules
 from flaxformer_lite.training.state import (
     abstract_train_state,
@@ -22,7 +22,7 @@ from flaxformer_lite.training.train import (
     TrainingError,
     train_and_evaluate,
 )
-from flaxformer_lite.translate import Translator
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from tests.fixtures import debug_config
 
 pytestmark = pytest.mark.usefixtures("one_device")  # none of these is about devices

@@ -6,12 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.architectures import Transformer
-from flaxformer_lite.config import ModelConfig
-from flaxformer_lite.experiment import OptimizerConfig
-from flaxformer_lite.run import Run, find_params_ema
+from flaxformer_lite.config.experiment import OptimizerConfig
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.inference.run import Run
+from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training.state import create_train_state, evaluation_params, make_optimizer
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir.folder import find_params_ema, write_config
 
 MODEL = ModelConfig(
     vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
@@ -69,7 +70,7 @@ def test_a_folder_that_is_no_run(tmp_path):
     (tmp_path / ckpt_lib.CONFIG_FILE).write_text('{"model": {"d_model": "wide"}}')
     with pytest.raises(ckpt_lib.CheckpointError, match="not a config this version can read"):
         Run.open(tmp_path)
-    ckpt_lib.write_config(tmp_path, '{"model": {}, "data": {}}')
+    write_config(tmp_path, '{"model": {}, "data": {}}')
     run = Run.open(tmp_path)  # every other field at its default
     assert run.config.model == ModelConfig() and run.steps("best") == []
     with pytest.raises(ckpt_lib.CheckpointError, match="holds no checkpoint yet"):

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite import partitioning
-from flaxformer_lite.architectures import Transformer
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config import mesh as mesh_spec
+from flaxformer_lite.config.experiment import ExperimentConfig
+from flaxformer_lite.config.mesh import MeshError
+from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data import pipeline
-from flaxformer_lite.experiment import ExperimentConfig
-from flaxformer_lite.partitioning import MeshError
+from flaxformer_lite.model import partitioning
+from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (
     abstract_train_state,
@@ -29,6 +29,7 @@ from flaxformer_lite.training.state import (
 )
 from flaxformer_lite.training.steps import train_step
 from flaxformer_lite.training.train import TrainingError, train_and_evaluate
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from tests import fixtures
 from tests.fixtures import debug_config, load_config
 
@@ -153,16 +154,16 @@ def test_parameters_are_laid_out_as_the_rules_say():
 
 def test_mesh_errors_name_the_value_and_the_fix():
     with pytest.raises(MeshError, match="only one axis may be -1"):
-        partitioning.parse_mesh("data:-1,model:-1")
+        mesh_spec.parse_mesh("data:-1,model:-1")
     with pytest.raises(MeshError, match="'tensor:2' is not 'axis:size'"):
-        partitioning.parse_mesh("data:-1,tensor:2")
+        mesh_spec.parse_mesh("data:-1,tensor:2")
     with pytest.raises(MeshError, match="has 6 devices but 8 are present"):
-        partitioning.mesh_shape("data:3,model:2", 8)
+        mesh_spec.mesh_shape("data:3,model:2", 8)
     with pytest.raises(MeshError, match=r"fixed axes \(3 devices\) do not divide the 8"):
-        partitioning.mesh_shape("data:-1,model:3", 8)
-    assert partitioning.mesh_shape("data:-1,fsdp:2", 8) == (4, 2, 1)
-    assert partitioning.mesh_shape("", 8) == (8, 1, 1)
-    assert partitioning.mesh_shape("model:2", 8) == (4, 1, 2)
+        mesh_spec.mesh_shape("data:-1,model:3", 8)
+    assert mesh_spec.mesh_shape("data:-1,fsdp:2", 8) == (4, 2, 1)
+    assert mesh_spec.mesh_shape("", 8) == (8, 1, 1)
+    assert mesh_spec.mesh_shape("model:2", 8) == (4, 1, 2)
     mesh = partitioning.make_mesh("data:2,model:4")
     with pytest.raises(MeshError, match=r"model.num_heads=2 is not divisible by the model axis"):
         partitioning.check_model(mesh, MODEL.replace(num_heads=2), 16)
@@ -195,7 +196,7 @@ def test_checkpoints_move_between_meshes(fixture_data, tmp_path):
     assert all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(one))
     # Restored onto another mesh with target shardings: the same values.
     model_config = ExperimentConfig.from_config(config)
-    from flaxformer_lite.architectures import build_model
+    from flaxformer_lite.model.build import build_model
 
     model = build_model(model_config.model, "translation")
     tx, _ = make_optimizer(model_config.optimizer, model_config.model, 6)
@@ -232,9 +233,9 @@ def test_checkpoints_move_between_meshes(fixture_data, tmp_path):
 ONE_DEVICE_READER = """
 import json, sys
 import jax
-from flaxformer_lite.average import average_workdir
-from flaxformer_lite.evaluation import evaluate_workdir
-from flaxformer_lite.translate import Translator
+from flaxformer_lite.inference.average import average_workdir
+from flaxformer_lite.inference.evaluation import evaluate_workdir
+from flaxformer_lite.inference.translate import Translator
 workdir = sys.argv[1]
 step, steps = average_workdir(workdir, 2)
 averaged = Translator.from_workdir(workdir, kind="averaged")

@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.architectures.lm import LanguageModel
-from flaxformer_lite.architectures.transformer import Transformer, shift_right
-from flaxformer_lite.components import sparse
-from flaxformer_lite.components.attention import dot_product_attention
-from flaxformer_lite.components.masks import make_causal_mask
-from flaxformer_lite.config import ConfigError, ModelConfig
-from flaxformer_lite.partitioning import unbox
-from flaxformer_lite.sparse import analysis
+from flaxformer_lite.config.model import ConfigError, ModelConfig
+from flaxformer_lite.model import head_groups as sparse
+from flaxformer_lite.model.attention import dot_product_attention
+from flaxformer_lite.model.lm import LanguageModel
+from flaxformer_lite.model.masks import make_causal_mask
+from flaxformer_lite.model.partitioning import unbox
+from flaxformer_lite.model.transformer import Transformer, shift_right
+from flaxformer_lite.sparse import analysis, spec
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.blocked import block_diagonals, sparse_attention
 from flaxformer_lite.sparse.topk import topk_attention
@@ -214,8 +214,8 @@ def test_random_pattern_reproducible_from_config():
     c = a.causal()
     assert (c.mask(96)[:64, :64] == c.mask(64)).all()
     # from the config spec
-    one = sparse.layer_patterns("bigbird:block=8", 2, 4, block_size=64, seed=7, causal=False)
-    two = sparse.layer_patterns("bigbird:block=8", 2, 4, block_size=64, seed=7, causal=False)
+    one = spec.layer_patterns("bigbird:block=8", 2, 4, block_size=64, seed=7, causal=False)
+    two = spec.layer_patterns("bigbird:block=8", 2, 4, block_size=64, seed=7, causal=False)
     assert (one[0].mask(80) == two[0].mask(80)).all()
 
 
@@ -302,10 +302,10 @@ def test_transformer_with_full_pattern_equals_dense(rng):
     params = unbox(Transformer(c).init(jax.random.key(0), inp, tgt))
     dense = Transformer(c).apply(params, inp, tgt)
     # topk with k >= the length keeps every key: dense attention too
-    for spec in ("full;full", "topk:k=32", "local:window=2|full", "topk:k=2"):
-        sc = c.replace(attention_pattern=spec, attention_block_size=8)
+    for pattern_spec in ("full;full", "topk:k=32", "local:window=2|full", "topk:k=2"):
+        sc = c.replace(attention_pattern=pattern_spec, attention_block_size=8)
         out = Transformer(sc).apply(params, inp, tgt)
-        if spec in ("local:window=2|full", "topk:k=2"):
+        if pattern_spec in ("local:window=2|full", "topk:k=2"):
             assert np.abs(out - dense).max() > 1e-3  # a real restriction changes the output
         else:
             np.testing.assert_allclose(out, dense, atol=1e-5)
@@ -373,7 +373,7 @@ def test_topk_in_the_model_is_the_kernel_and_sows_its_weights(rng):
     dense top-k weights, which give the same output; cached decoding says no."""
     c = _model_config(attention_pattern="topk:k=3;local:window=2", attention_block_size=8)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 12, 4, 8)), jnp.float32) for _ in range(3))
-    patterns = sparse.layer_patterns(c.attention_pattern, 0, 4, block_size=8, seed=0, causal=True)
+    patterns = spec.layer_patterns(c.attention_pattern, 0, 4, block_size=8, seed=0, causal=True)
     out = sparse.multihead_sparse_attention(q, k, v, patterns, block_size=8)
     np.testing.assert_allclose(
         out[:, :, :2], topk_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], 3, causal=True),
@@ -382,7 +382,7 @@ def test_topk_in_the_model_is_the_kernel_and_sows_its_weights(rng):
     weights = sparse.dense_attention_weights(q, k, patterns)
     assert int((weights[:, :2] > 0).sum(-1).max()) == 3  # three keys per query
     np.testing.assert_allclose(jnp.einsum("bhqk,bkhd->bqhd", weights, v), out, rtol=1e-5, atol=1e-5)
-    with pytest.raises(sparse.PatternSpecError, match="cached decoding"):
+    with pytest.raises(spec.PatternSpecError, match="cached decoding"):
         sparse.decode_mask(patterns, jnp.arange(1), jnp.arange(12), 12)
     with pytest.raises(ConfigError, match="topk cannot be combined"):
         _model_config(attention_pattern="topk:k=3+local:window=2")

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.architectures.transformer import Transformer
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data import pipeline
+from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from flaxformer_lite import sweep
-from flaxformer_lite.sweep import Axis, Sweep, SweepError, parse_axis
+from flaxformer_lite.sweep import runner as sweep
+from flaxformer_lite.sweep.runner import Axis, Sweep, SweepError, parse_axis
 from tests.fixtures import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

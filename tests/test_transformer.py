@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import LanguageModel, Transformer
-from flaxformer_lite.architectures.transformer import shift_right
-from flaxformer_lite.components.dropout import Dropout
-from flaxformer_lite.config import ConfigError
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.config.model import ConfigError
+from flaxformer_lite.model.dropout import Dropout
+from flaxformer_lite.model.partitioning import unbox
+from flaxformer_lite.model.transformer import shift_right
 
 SRC = jnp.array([[5, 6, 7, 8, 9, 0, 0], [11, 12, 13, 14, 15, 16, 17]])
 TGT = jnp.array([[20, 21, 22, 23, 24, 1], [25, 26, 27, 28, 1, 0]])

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite import decoding
-from flaxformer_lite.config import ConfigError
-from flaxformer_lite.evaluation import evaluate_workdir
-from flaxformer_lite.translate import TranslateError, Translator
+from flaxformer_lite.config.model import ConfigError
+from flaxformer_lite.inference import decoding
+from flaxformer_lite.inference.evaluation import evaluate_workdir
+from flaxformer_lite.inference.translate import TranslateError, Translator
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir.folder import write_config
 from tests.fixtures import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ def test_bad_input_messages(run, monkeypatch):
 def test_workdir_without_checkpoints(tmp_path):
     with pytest.raises(ckpt_lib.CheckpointError, match="not a training run"):
         Translator.from_workdir(tmp_path)
-    ckpt_lib.write_config(tmp_path, '{"model": {}, "data": {}}')
+    write_config(tmp_path, '{"model": {}, "data": {}}')
     with pytest.raises(ckpt_lib.CheckpointError, match="holds no checkpoint yet"):
         Translator.from_workdir(tmp_path)
 
@@ -208,7 +209,7 @@ def test_translate_streams_one_line_out_per_line_in(run):
     import queue
     import threading
 
-    from flaxformer_lite.streaming import CHUNK
+    from flaxformer_lite.inference.streaming import CHUNK
 
     workdir, raw = run
     env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.components import chunked
+from flaxformer_lite.model import chunked
 
 
 def main():

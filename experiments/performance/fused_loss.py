@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flaxformer_lite.components.embedding import tied_logits
+from flaxformer_lite.model.embedding import tied_logits
 from flaxformer_lite.training import losses
 
 T, D, V, SMOOTHING = 1024, 256, 8000, 0.1

@@ -32,9 +32,9 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from flaxformer_lite.components.embedding import sinusoidal_positions  # noqa: E402
 from flaxformer_lite.data import sources  # noqa: E402
-from flaxformer_lite.run import Run  # noqa: E402
+from flaxformer_lite.inference.run import Run  # noqa: E402
+from flaxformer_lite.model.embedding import sinusoidal_positions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 D_MODEL = 128  # the width of configs/ding_mini.py

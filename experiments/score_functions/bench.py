@@ -22,9 +22,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.components.multihead import MultiHeadAttention
-from flaxformer_lite.config import ModelConfig
-from flaxformer_lite.partitioning import unbox
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model.multihead import MultiHeadAttention
+from flaxformer_lite.model.partitioning import unbox
 
 HERE = Path(__file__).resolve().parent
 SCORES = ("scaled_dot", "dot", "additive", "bilinear")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from long_lm import compiled_step  # noqa: E402
 
-from flaxformer_lite import experiment  # noqa: E402
+from flaxformer_lite.config import experiment  # noqa: E402
 
 
 def patterns(length: int) -> dict[str, str]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.data import cooccurrence, pipeline, sources
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
-from flaxformer_lite.experiment import ExperimentConfig
 
 
 @dataclasses.dataclass

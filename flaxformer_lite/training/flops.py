@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
 
 
 def forward_flops(c: ModelConfig, batch: int, source_len: int, target_len: int) -> float:

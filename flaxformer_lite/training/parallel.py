@@ -2,7 +2,7 @@
 
 * ``jit``: one program for all devices of all processes. The batch is split over
   ``data`` x ``fsdp``; parameters and optimizer state are laid out by their logical
-  axis names through :data:`flaxformer_lite.partitioning.RULES` (replicated over
+  axis names through :data:`flaxformer_lite.model.partitioning.RULES` (replicated over
   ``data``, sharded over ``fsdp``, heads / FFN hidden / vocabulary split over
   ``model``), and XLA inserts the collectives. ``train.mesh="data:-1"`` (the
   default) is plain data parallelism. Each process feeds its local rows
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxformer_lite import partitioning
+from flaxformer_lite.config.mesh import MESH_AXES, MeshError
+from flaxformer_lite.model import partitioning
 
 AXIS = "data"
 
@@ -43,7 +44,7 @@ class Parallel:
         self.num_devices = len(self.devices)
         self.mesh = partitioning.make_mesh(mesh, self.devices)
         if kind == "pmap" and self.mesh.shape["data"] != self.num_devices:
-            raise partitioning.MeshError(
+            raise MeshError(
                 f"train.mesh={mesh!r} shards parameters, but parallelism=pmap replicates "
                 "them on every device; use parallelism=jit, or train.mesh='data:-1'"
             )
@@ -56,7 +57,7 @@ class Parallel:
     @property
     def shape(self) -> str:
         """``data x fsdp x model``, e.g. ``2x2x2``."""
-        return "x".join(str(self.mesh.shape[a]) for a in partitioning.MESH_AXES)
+        return "x".join(str(self.mesh.shape[a]) for a in MESH_AXES)
 
     def lay_out(self, logical_specs, abstract_state) -> None:
         """Shard the train state as its logical specs say (``jit`` only; pmap replicates):

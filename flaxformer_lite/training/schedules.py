@@ -22,7 +22,7 @@ import math
 import jax.numpy as jnp
 import optax
 
-from flaxformer_lite.experiment import SCHEDULES, OptimizerConfig
+from flaxformer_lite.config.experiment import SCHEDULES, OptimizerConfig
 
 
 def noam(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:

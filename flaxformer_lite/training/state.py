@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from flaxformer_lite import partitioning
-from flaxformer_lite.architectures import LanguageModel, build_model
-from flaxformer_lite.config import ModelConfig
-from flaxformer_lite.experiment import ExperimentConfig, OptimizerConfig
+from flaxformer_lite.config.experiment import ExperimentConfig, OptimizerConfig
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model import partitioning
+from flaxformer_lite.model.build import build_model
+from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.training.schedules import make_schedule
 
 
@@ -36,7 +37,8 @@ class TrainState:
 
 class ParamsEMAState(NamedTuple):
     """Stored in checkpoints as a ``{count, ema}`` node, which is how
-    :func:`flaxformer_lite.run.find_params_ema` finds the average without the optimizer."""
+    :func:`flaxformer_lite.workdir.folder.find_params_ema` finds the average without the
+    optimizer."""
 
     count: jax.Array  # updates averaged so far
     ema: Any  # the bias-corrected moving average of the parameters (float32)

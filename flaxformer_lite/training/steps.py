@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from flaxformer_lite.architectures.lm import LanguageModel
+from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.state import TrainState, skipped_updates
 

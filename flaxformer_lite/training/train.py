@@ -16,16 +16,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.architectures import build_model
+from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
+from flaxformer_lite.config.mesh import MeshError
 from flaxformer_lite.data import assembly, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
-from flaxformer_lite.evaluation import corpus_scores
-from flaxformer_lite.experiment import BEST_METRICS, ExperimentConfig
-from flaxformer_lite.partitioning import MeshError, check_model
-from flaxformer_lite.run import read_config
+from flaxformer_lite.inference.evaluation import corpus_scores
+from flaxformer_lite.inference.translate import Translator
+from flaxformer_lite.model.build import build_model
+from flaxformer_lite.model.partitioning import check_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, schedules
-from flaxformer_lite.training.lock import WorkdirBusyError, WorkdirLock
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import (
@@ -38,7 +37,9 @@ from flaxformer_lite.training.state import (
     state_partitioning,
 )
 from flaxformer_lite.training.steps import eval_step, train_step
-from flaxformer_lite.translate import Translator
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir.folder import read_config, write_config
+from flaxformer_lite.workdir.lock import WorkdirBusyError, WorkdirLock
 
 
 class TrainingError(RuntimeError):
@@ -174,7 +175,7 @@ def _train(
         raise TrainingError(f"train.batch_size={t.batch_size} must divide among processes")
     is_chief = jax.process_index() == 0
     if is_chief:
-        ckpt_lib.write_config(workdir, config.to_json())
+        write_config(workdir, config.to_json())
 
     # Process 0 builds the dataset and trains the tokenizer; the others then read them.
     data = assembly.prepare_data(config, workdir) if is_chief else None

@@ -23,16 +23,18 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite import partitioning as P
-from flaxformer_lite.components import kernels, sparse
-from flaxformer_lite.components.attention import (
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model import head_groups as sparse
+from flaxformer_lite.model import kernels
+from flaxformer_lite.model import partitioning as P
+from flaxformer_lite.model.attention import (
     attention_weights,
     dropout_weights,
     make_score_fn,
 )
-from flaxformer_lite.components.chunked import chunked_attention
-from flaxformer_lite.components.masks import SegmentIds, combine_masks, make_causal_mask
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.model.chunked import chunked_attention
+from flaxformer_lite.model.masks import SegmentIds, combine_masks, make_causal_mask
+from flaxformer_lite.sparse import spec
 
 
 def projection_init() -> nn.initializers.Initializer:
@@ -116,7 +118,7 @@ class MultiHeadAttention(nn.Module):
 
         patterns = None
         if self.self_attention and c.sparse_attention:
-            patterns = sparse.layer_patterns(
+            patterns = spec.layer_patterns(
                 c.attention_pattern,
                 self.layer,
                 h,
@@ -208,7 +210,7 @@ class MultiHeadAttention(nn.Module):
     def _self_attention_cache(
         self, key: Array, value: Array, mask: Array | None, patterns=None
     ) -> tuple[Array, Array, Array | None]:
-        window = None if patterns is None else sparse.sliding_window(patterns)
+        window = None if patterns is None else spec.sliding_window(patterns)
         if window is not None and self.causal:
             return self._sliding_window_cache(key, value, mask, patterns, window)
         creating = not self.has_variable("cache", "cached_key")

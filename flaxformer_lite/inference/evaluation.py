@@ -16,9 +16,9 @@ from pathlib import Path
 
 import sacrebleu
 
+from flaxformer_lite.config.experiment import DecodeConfig
 from flaxformer_lite.data.sources import load_texts
-from flaxformer_lite.experiment import DecodeConfig
-from flaxformer_lite.translate import Translator
+from flaxformer_lite.inference.translate import Translator
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,15 +15,15 @@ from __future__ import annotations
 import flax.linen as nn
 from jax import Array
 
-from flaxformer_lite.architectures.transformer import Decoder, shift_right
-from flaxformer_lite.components.masks import (
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model.masks import (
     SegmentIds,
     combine_masks,
     make_causal_mask,
     make_padding_mask,
     make_segment_mask,
 )
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.model.transformer import Decoder, shift_right
 
 
 class LanguageModel(nn.Module):

@@ -10,9 +10,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite import partitioning as P
-from flaxformer_lite.components.attention import attention_weights
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model import partitioning as P
+from flaxformer_lite.model.attention import attention_weights
 
 
 class LexicalShortcut(nn.Module):

@@ -1,4 +1,4 @@
-"""Sparse attention for the model: pattern specs from the config, per layer and per head.
+"""The sparse-pattern spec of ``model.attention_pattern``: grammar, registry, layers.
 
 The model config selects sparse self-attention with five fields::
 
@@ -47,22 +47,9 @@ Examples: ``local:window=64+global:first=2``, ``sparse_strided:stride=64``,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-from jax import Array
-
-from flaxformer_lite.components import kernels
-from flaxformer_lite.components.attention import attention_weights, dot_product_attention
-from flaxformer_lite.config import ATTENTION_IMPLS, ConfigError, ModelConfig, register_check
 from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.blocked import sparse_attention
-from flaxformer_lite.sparse.online_softmax import segment_mask
-from flaxformer_lite.sparse.topk import topk_attention
-
-IMPLS = ATTENTION_IMPLS
 
 _ATOMS = {
     "full": ({}, lambda a, blk, seed: P.Full()),
@@ -226,34 +213,6 @@ def check_spec(spec: str, num_heads: int, num_layers: int, block_size: int) -> N
                 pattern.plans(2 * block_size + 1, block_size)  # surfaces bad parameters early
 
 
-@register_check
-def check_model_pattern(config: ModelConfig) -> None:
-    """``model.attention_pattern`` parses and fits the model (run by every ModelConfig)."""
-    if is_dense(config.attention_pattern):
-        return
-    try:
-        check_spec(
-            config.attention_pattern,
-            config.num_heads,
-            max(config.num_encoder_layers, config.num_decoder_layers),
-            config.attention_block_size,
-        )
-    except PatternSpecError as e:
-        raise ConfigError(
-            f"model.attention_pattern={config.attention_pattern!r}: {e} "
-            "(grammar: flaxformer_lite/components/sparse.py)"
-        ) from None
-    if config.attention_impl == "cudnn":
-        for layer in parse_spec(config.attention_pattern, config.attention_block_size):
-            for pattern in layer:
-                try:
-                    kernels.cudnn_computes(pattern)
-                except ValueError as e:
-                    raise ConfigError(
-                        f"model.attention_pattern={config.attention_pattern!r}: {e}"
-                    ) from None
-
-
 def sliding_window(patterns: list[P.Pattern]) -> int | None:
     """Largest window if every head group is a (causal) Local band, else None."""
     windows = []
@@ -262,123 +221,3 @@ def sliding_window(patterns: list[P.Pattern]) -> int | None:
             return None
         windows.append(p.window)
     return max(windows)
-
-
-def multihead_sparse_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    patterns: list[P.Pattern],
-    *,
-    impl: str = "blocked",
-    block_size: int = 64,
-    segments: Array | None = None,
-    packed: bool = False,
-    scale: float | None = None,
-    scan_blocks: int | None = None,
-) -> Array:
-    """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
-
-    ``impl=cudnn`` runs the groups cuDNN computes on it and a two-sided Local band on
-    the blocked kernel (cuDNN's window is left-only); ``packed``: rows hold several
-    examples (``segments`` from the batch's segmentation), for cuDNN's packed layout."""
-    h = query.shape[2]
-    per = h // len(patterns)
-    outs = []
-    for g, pattern in enumerate(patterns):
-        sl = slice(g * per, (g + 1) * per)
-        q, k, v = query[:, :, sl], key[:, :, sl], value[:, :, sl]
-        if impl == "splash":
-            return kernels.splash_attention(
-                query, key, value, patterns, segments=segments, scale=scale
-            )
-        if impl == "cudnn" and kernels.cudnn_computes(pattern):
-            outs.append(
-                kernels.cudnn_attention(
-                    q, k, v, pattern=pattern, q_segments=segments, packed=packed, scale=scale
-                )
-            )
-        elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
-            outs.append(
-                topk_attention(
-                    q if scale is None else q * (scale * math.sqrt(q.shape[-1])), k, v,
-                    pattern.k, causal=pattern.is_causal, q_segments=segments,
-                    kv_segments=segments, query_block=min(block_size, 128),
-                )
-            )  # fmt: skip
-        elif impl in ("blocked", "cudnn"):
-            outs.append(
-                sparse_attention(
-                    q, k, v, pattern, block_size=block_size, q_segments=segments,
-                    kv_segments=segments, scale=scale, scan_blocks=scan_blocks,
-                )
-            )  # fmt: skip
-        elif impl == "reference":
-            outs.append(masked_dense_attention(q, k, v, pattern, segments=segments, scale=scale))
-        else:
-            raise ValueError(f"attention_impl={impl!r}; choose one of {', '.join(IMPLS)}")
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-
-
-def masked_dense_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    pattern: P.Pattern,
-    *,
-    segments: Array | None = None,
-    scale: float | None = None,
-) -> Array:
-    """The pattern's attention as dense attention under its ``[n, n]`` mask
-    (``attention_impl=reference``): quadratic memory, for checking and small ``n``."""
-    n, d = query.shape[1], query.shape[-1]
-    mask = jnp.asarray(pattern.mask(n))[None, None]
-    if segments is not None:
-        mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return dot_product_attention(
-        query, key, value, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    )
-
-
-def dense_attention_weights(
-    query: Array,
-    key: Array,
-    patterns: list[P.Pattern],
-    *,
-    segments: Array | None = None,
-    scale: float | None = None,
-) -> Array:
-    """``[b, h, n, n]`` attention weights of the head groups' patterns, as a dense array:
-    what the blocked kernel computes without forming it, for pictures
-    (``sow_attention_weights``) and checks at small ``n``."""
-    n, h, d = query.shape[1], query.shape[2], query.shape[-1]
-    per = h // len(patterns)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) * scale
-    masks = []
-    for g, p in enumerate(patterns):
-        if isinstance(p, P.TopK):  # the keys scoring at least the k-th best
-            allowed = jnp.tril(jnp.ones((n, n), bool)) if p.is_causal else jnp.ones((n, n), bool)
-            group = jnp.where(allowed, scores[:, g * per : (g + 1) * per], -jnp.inf)
-            kth = jax.lax.top_k(group, min(p.k, n))[0][..., -1:]
-            masks.append(allowed & (group >= kth))
-        else:
-            masks.append(jnp.broadcast_to(jnp.asarray(p.mask(n)), (1, per, n, n)))
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(m, (scores.shape[0], per, n, n)) for m in masks], axis=1
-    )
-    if segments is not None:
-        mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
-    return attention_weights(query, key, mask, score_fn=lambda q, k: scores)
-
-
-def decode_mask(patterns: list[P.Pattern], q_pos: Array, k_pos: Array, n: int) -> Array:
-    """``[1, h_groups->h, q, k]`` mask of the patterns for cached decoding steps."""
-    if any(isinstance(p, P.TopK) for p in patterns):
-        raise PatternSpecError(
-            "cached decoding is not implemented for topk attention: its keys depend on "
-            "the scores; evaluate perplexity, or train with a static pattern to generate"
-        )
-    masks = [p.allows(q_pos[:, None], k_pos[None, :], n) for p in patterns]
-    return jnp.stack(masks)[None]  # [1, groups, q, k]; the caller repeats per head

@@ -6,7 +6,7 @@ preset (``PRESETS["paper_base"]``) and an ablation is one override
 line, ``--config.model.ln_position=pre``).
 
 Each field is declared once, with its type, default, allowed values and meaning
-(:func:`~flaxformer_lite.sections.option`); a bad value raises
+(:func:`~flaxformer_lite.config.fields.option`); a bad value raises
 :class:`ConfigError` when the config is built, naming the field, the value and
 what is allowed, so a typo never reaches XLA.
 """
@@ -14,16 +14,13 @@ what is allowed, so a typo never reaches XLA.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from flaxformer_lite.sections import (
+from flaxformer_lite.config import rules
+from flaxformer_lite.config.fields import (
     NON_NEGATIVE,
     POSITIVE,
     RATE,
@@ -33,11 +30,10 @@ from flaxformer_lite.sections import (
     option,
 )
 
-__all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset", "register_check"]
+__all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset"]
 
 # Allowed names for the string-valued ablation hooks. Score functions and sparse
-# pattern specs are checked by their own registries (components/attention.py,
-# components/sparse.py), which add their checks with ``register_check``.
+# pattern specs are checked against their registries by config/rules.py.
 # blocked: the project's kernels (no n x n array for sparse patterns); reference: a
 # sparse pattern as a dense mask; chunked: dense attention by chunks with an online
 # softmax (no n x n array); cudnn / splash: the GPU / TPU fused kernels.
@@ -108,7 +104,7 @@ class ModelConfig(Section):
     # source word it attends to" directly. Needs the source embedding table (tied src_tgt/all).
     lexical_shortcut: bool = option(False, "attended source embeddings into the softmax")
 
-    # Sparse self-attention (components/sparse.py has the spec grammar).
+    # Sparse self-attention (sparse/spec.py has the spec grammar).
     attention_pattern: str = option(
         "dense", "self-attention pattern: dense | bigbird | local:window=128+global:first=1 | ..."
     )
@@ -142,7 +138,7 @@ class ModelConfig(Section):
     sow_attention_weights: bool = option(False, "store weights in 'intermediates'")
 
     def check(self) -> None:
-        _validate(self)
+        rules.check_model(self)
 
     # Derived values -------------------------------------------------------
     @property
@@ -171,11 +167,11 @@ class ModelConfig(Section):
         return self.d_v if self.d_v is not None else self.d_model // self.num_heads
 
     @property
-    def compute_dtype(self) -> jnp.dtype:
+    def compute_dtype(self) -> Any:
         return _usable_dtype("dtype", self.dtype)
 
     @property
-    def parameter_dtype(self) -> jnp.dtype:
+    def parameter_dtype(self) -> Any:
         return _usable_dtype("param_dtype", self.param_dtype)
 
     def check_precision(self) -> None:
@@ -186,9 +182,13 @@ class ModelConfig(Section):
         _usable_dtype("param_dtype", self.param_dtype)
 
 
-def _usable_dtype(field: str, name: str) -> jnp.dtype:
+def _usable_dtype(field: str, name: str) -> Any:
     """``jnp.dtype(name)``, refusing float64 while JAX's 64-bit mode is off: JAX would
-    compute it in float32 without a word."""
+    compute it in float32 without a word. (JAX is imported here, when a model asks for
+    its dtypes, not with the config: ``main fields`` and ``--help`` do without it.)"""
+    import jax
+    import jax.numpy as jnp
+
     dtype = jnp.dtype(name)
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
         raise ConfigError(
@@ -198,89 +198,6 @@ def _usable_dtype(field: str, name: str) -> jnp.dtype:
             "jax.config.update('jax_enable_x64', True) before building the model"
         )
     return dtype
-
-
-# Checks owned by modules above this one (a registry of names, a spec grammar). Each
-# registers itself when imported; the first ModelConfig checked after this module has
-# loaded imports them (_RULE_OWNERS), so every ModelConfig runs them whatever the
-# caller imported (the package's __init__ imports nothing until a name is used).
-_REGISTERED_CHECKS: list[Callable[[ModelConfig], None]] = []
-_RULE_OWNERS = (
-    "flaxformer_lite.components.attention",
-    "flaxformer_lite.components.kernels",
-    "flaxformer_lite.components.sparse",
-)
-_LOADED = False  # set at the end of this module: the presets above it need no owners
-
-
-def register_check(check: Callable[[ModelConfig], None]) -> Callable[[ModelConfig], None]:
-    """Decorator: ``check(config)`` runs on every ModelConfig after the field checks and
-    raises :class:`ConfigError` naming the field and the fix."""
-    _REGISTERED_CHECKS.append(check)
-    return check
-
-
-def _validate(c: ModelConfig) -> None:
-    """The checks across fields (each field's own were made by ``Section``)."""
-    if c.d_model % c.num_heads and (c.d_k is None or c.d_v is None):
-        raise ConfigError(
-            f"model.d_model={c.d_model} is not divisible by model.num_heads={c.num_heads}; "
-            "choose num_heads dividing d_model, or set model.d_k and model.d_v explicitly"
-        )
-    if c.lexical_shortcut and c.tie_embeddings not in ("src_tgt", "all"):
-        raise ConfigError(
-            f"model.lexical_shortcut reads the shared source embeddings, but "
-            f"tie_embeddings={c.tie_embeddings!r} gives the encoder its own table; "
-            "set tie_embeddings to src_tgt or all"
-        )
-    if c.positional == "sinusoidal" and c.d_model % 2:
-        raise ConfigError(
-            f"model.d_model={c.d_model} must be even for sinusoidal positions "
-            "(sin/cos pairs); use an even d_model or model.positional=learned"
-        )
-    for name in ("pad_id", "eos_id", "bos_id"):
-        value = getattr(c, name)
-        if not 0 <= value < c.vocab_size:
-            raise ConfigError(
-                f"model.{name}={value!r} must be a token id in [0, vocab_size={c.vocab_size})"
-            )
-    if c.eos_id == c.pad_id:
-        raise ConfigError(
-            f"model.eos_id={c.eos_id} equals model.pad_id: end-of-sentence would be masked "
-            "as padding; give them different ids"
-        )
-    if c.attention_impl == "chunked":
-        if c.sparse_attention:
-            raise ConfigError(
-                f"model.attention_impl='chunked' computes dense attention, not "
-                f"attention_pattern={c.attention_pattern!r}: use attention_impl=blocked for "
-                "sparse patterns, or attention_pattern=dense"
-            )
-        if c.score_fn not in ("scaled_dot", "dot") or c.attention_dropout > 0:
-            raise ConfigError(
-                f"model.attention_impl='chunked' computes dot-product scores without "
-                f"dropout on the weights (score_fn={c.score_fn!r}, attention_dropout="
-                f"{c.attention_dropout}): use score_fn=scaled_dot or dot and "
-                "attention_dropout=0, or attention_impl=blocked"
-            )
-    if c.sparse_attention:
-        if c.score_fn not in ("scaled_dot", "dot"):
-            raise ConfigError(
-                f"model.score_fn={c.score_fn!r} with a sparse attention_pattern: the blocked "
-                "kernel computes dot-product scores; use scaled_dot or dot, or "
-                "attention_pattern=dense"
-            )
-        if c.attention_dropout > 0:
-            raise ConfigError(
-                f"model.attention_dropout={c.attention_dropout} with a sparse "
-                "attention_pattern is not supported; set it to 0 (residual dropout still "
-                "applies)"
-            )
-    if _LOADED:
-        for module in _RULE_OWNERS:
-            importlib.import_module(module)  # registers its checks (once)
-    for check in _REGISTERED_CHECKS:
-        check(c)
 
 
 # Presets -----------------------------------------------------------------
@@ -329,6 +246,3 @@ def model_config_from(config) -> ModelConfig:
     if "model" not in config:
         raise ConfigError("the experiment config has no 'model' section; see configs/paper_base.py")
     return ModelConfig.from_dict(config.model)
-
-
-_LOADED = True

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite import partitioning as P
-from flaxformer_lite.components.dropout import dropout
-from flaxformer_lite.config import ConfigError, ModelConfig, register_check
+from flaxformer_lite.config import rules
+from flaxformer_lite.model import partitioning as P
+from flaxformer_lite.model.dropout import dropout
 
 ScoreFn = Callable[[Array, Array], Array]
 ScoreFactory = Callable[..., ScoreFn]
@@ -46,6 +46,7 @@ def register_score_fn(name: str) -> Callable[[ScoreFactory], ScoreFactory]:
         if name in _SCORE_FNS:
             raise ValueError(f"score function {name!r} is already registered")
         _SCORE_FNS[name] = factory
+        rules.add_score_function(name)  # a valid model.score_fn from now on
         return factory
 
     return wrap
@@ -54,16 +55,6 @@ def register_score_fn(name: str) -> Callable[[ScoreFactory], ScoreFactory]:
 def score_fn_names() -> tuple[str, ...]:
     """Names accepted by ``ModelConfig.score_fn``."""
     return tuple(_SCORE_FNS)
-
-
-@register_check
-def check_score_fn(config: ModelConfig) -> None:
-    """``model.score_fn`` names a registered score function (run by every ModelConfig)."""
-    if config.score_fn not in _SCORE_FNS:
-        raise ConfigError(
-            f"model.score_fn={config.score_fn!r} is not allowed; choose one of "
-            f"{', '.join(_SCORE_FNS)} (or register one with register_score_fn)"
-        )
 
 
 def make_score_fn(

@@ -2,9 +2,9 @@
 
 An experiment has five sections, each a frozen dataclass whose fields are
 declared once (type, default, allowed values, one-line meaning; see
-:mod:`flaxformer_lite.sections`):
+:mod:`flaxformer_lite.config.fields`):
 
-* ``model``: :class:`flaxformer_lite.config.ModelConfig`;
+* ``model``: :class:`flaxformer_lite.config.model.ModelConfig`;
 * ``data``: :class:`DataConfig`, corpus, direction, lengths, packing;
 * ``train``: :class:`TrainConfig`, steps, batch, parallelism, cadence;
 * ``optimizer``: :class:`OptimizerConfig`, Adam and its schedule;
@@ -24,15 +24,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import ml_collections
 
-from flaxformer_lite.config import ConfigError, ModelConfig, model_config_dict
-from flaxformer_lite.partitioning import DEFAULT_MESH, MeshError, parse_mesh
-from flaxformer_lite.sections import (
+from flaxformer_lite.config import rules
+from flaxformer_lite.config.fields import (
     NON_NEGATIVE,
     POSITIVE,
     RATE,
@@ -41,6 +39,8 @@ from flaxformer_lite.sections import (
     describe,
     option,
 )
+from flaxformer_lite.config.mesh import DEFAULT_MESH
+from flaxformer_lite.config.model import ConfigError, ModelConfig, model_config_dict
 
 TASKS = ("translation", "lm")
 TOO_LONG = ("drop", "truncate")
@@ -86,9 +86,6 @@ def format_splits(splits: tuple[Split, ...]) -> str:
 
 def _optional_splits(spec: str) -> tuple[Split, ...]:
     return parse_train_splits(spec, allow_empty=True)
-
-
-_TAG = re.compile(r"<\w+>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,38 +141,7 @@ class DataConfig(Section):
     )  # fmt: skip
 
     def check(self) -> None:
-        if self.subword_alpha and self.stream:
-            raise ConfigError(
-                "config.data.subword_alpha needs sentence pairs; it does not apply to "
-                "data.stream=True (running text); set it to 0"
-            )
-        for name, example in (("aux_tag", "<dict>"), ("reverse_tag", "<2en>")):
-            tag = getattr(self, name)
-            if tag and (self.task != "translation" or not _TAG.fullmatch(tag)):
-                raise ConfigError(
-                    f"config.data.{name}={tag!r} needs a translation task and the form <name> "
-                    f"(e.g. {example}), one symbol with no spaces"
-                )
-        if self.reverse_tag and self.reverse_tag == self.aux_tag:
-            raise ConfigError(
-                f"config.data.reverse_tag and aux_tag are both {self.aux_tag!r}; give them "
-                "different names"
-            )
-        if self.stream and self.task != "lm":
-            raise ConfigError(
-                f"config.data.stream=True needs data.task='lm' (it is {self.task!r}): "
-                "translation pairs cannot be cut into running text"
-            )
-        if self.resample_subsets and (self.subword_alpha or self.stream):
-            raise ConfigError(
-                "config.data.resample_subsets=True cannot be combined with subword_alpha > 0 "
-                "or stream=True (each redraws the epoch's examples its own way); set "
-                "data.resample_subsets=False or turn the other off"
-            )
-        if self.task == "translation" and self.source_lang == self.target_lang:
-            raise ConfigError(
-                f"config.data.source_lang and target_lang are both {self.source_lang!r}"
-            )
+        rules.check_data(self)
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -205,9 +171,13 @@ class TrainConfig(Section):
     mesh: str = option(
         DEFAULT_MESH, "jit's device mesh 'data:N,fsdp:N,model:N' (-1: the devices left over)"
     )
+    # Kept apart from microbatches for speed on CPU: the two halves' chains keep both
+    # cores busy, 1.06x (tiny) and 1.09x (base-like) faster steps than one chain in
+    # benchmarks/results/train_step.md; on an accelerator leave it at 1.
     concurrent_splits: int = option(
-        1, "> 1: the batch as k independent chains of one program (uses CPU cores)"
-    )
+        1, "> 1: the batch as k independent chains of one program (uses CPU cores)",
+        rule=POSITIVE,
+    )  # fmt: skip
     microbatches: int = option(
         1, "> 1: the batch as k micro-batches in sequence, gradients added (the same "
         "update with 1/k of the activation memory)", rule=POSITIVE,
@@ -238,21 +208,7 @@ class TrainConfig(Section):
     )  # fmt: skip
 
     def check(self) -> None:
-        try:
-            parse_mesh(self.mesh)
-        except MeshError as e:
-            raise ConfigError(str(e)) from None
-        if self.batch_size % self.microbatches:
-            raise ConfigError(
-                f"config.train.microbatches={self.microbatches} must divide "
-                f"train.batch_size={self.batch_size}"
-            )
-        splits = self.concurrent_splits
-        if splits < 1 or self.batch_size % splits:
-            raise ConfigError(
-                f"config.train.concurrent_splits={splits} must be >= 1 and divide "
-                f"train.batch_size={self.batch_size} (per device)"
-            )
+        rules.check_train(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,18 +252,7 @@ class OptimizerConfig(Section):
     )
 
     def check(self) -> None:
-        if self.spike_factor and self.spike_factor <= 1:
-            raise ConfigError(
-                f"config.optimizer.spike_factor={self.spike_factor} would skip ordinary "
-                "updates; use a factor > 1 (e.g. 5) or 0 to turn the guard off"
-            )
-        if self.schedule == "noam" and self.warmup_steps <= 0:
-            raise ConfigError("config.optimizer.warmup_steps must be > 0 for the noam schedule")
-        if self.cooldown_fraction and self.cooldown_steps:
-            raise ConfigError(
-                f"config.optimizer.cooldown_fraction={self.cooldown_fraction} and "
-                f"cooldown_steps={self.cooldown_steps} are two cooldowns; set one of them to 0"
-            )
+        rules.check_optimizer(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,11 +273,7 @@ class DecodeConfig(Section):
     )
 
     def check(self) -> None:
-        if self.max_length_ratio and self.min_length_ratio > self.max_length_ratio:
-            raise ConfigError(
-                f"config.decode.min_length_ratio={self.min_length_ratio} exceeds "
-                f"max_length_ratio={self.max_length_ratio}"
-            )
+        rules.check_decode(self)
 
 
 SECTIONS: dict[str, type] = {
@@ -354,42 +295,7 @@ class ExperimentConfig:
     decode: DecodeConfig = DecodeConfig()
 
     def __post_init__(self):
-        d, t, o, m = self.data, self.train, self.optimizer, self.model
-        if d.max_length > m.max_len:
-            raise ConfigError(
-                f"config.data.max_length={d.max_length} exceeds model.max_len={m.max_len}; "
-                "raise model.max_len or lower data.max_length"
-            )
-        if m.sparse_attention and m.attention_block_size > d.max_length:
-            raise ConfigError(
-                f"config.model.attention_block_size={m.attention_block_size} is larger than the "
-                f"sequences (data.max_length={d.max_length}): the sparse pattern would be one "
-                "padded block; choose a block that divides data.max_length, e.g. "
-                f"{max(1, d.max_length // 4)}"
-            )
-        if t.best_metric == "bleu" and not (t.eval_bleu_sentences > 0 and d.task == "translation"):
-            raise ConfigError(
-                "config.train.best_metric='bleu' needs a translation task and "
-                f"config.train.eval_bleu_sentences > 0 (got task={d.task!r}, "
-                f"eval_bleu_sentences={t.eval_bleu_sentences}); set eval_bleu_sentences=128 "
-                "or choose best_metric=loss"
-            )
-        if t.max_minutes and (o.schedule == "warmup_cosine" or o.cooldown_steps):
-            raise ConfigError(
-                f"config.train.max_minutes={t.max_minutes} stops at a step nobody knows in "
-                f"advance, but optimizer.schedule={o.schedule!r} with cooldown_steps="
-                f"{o.cooldown_steps} is shaped by train.num_steps; use the noam or constant "
-                "schedule with optimizer.cooldown_fraction instead of cooldown_steps, or set "
-                "max_minutes=0"
-            )
-        updates = t.num_steps // o.grad_accum_steps
-        room = max(updates - o.warmup_steps, 0)
-        if not 0 <= o.cooldown_steps <= room:
-            raise ConfigError(
-                f"config.optimizer.cooldown_steps={o.cooldown_steps} must be in [0, {room}]: "
-                f"the cooldown fits after the {o.warmup_steps} warmup updates of the "
-                f"{updates} updates of the run (0 = none)"
-            )
+        rules.check_experiment(self)
 
     @classmethod
     def from_config(cls, config: Any) -> ExperimentConfig:

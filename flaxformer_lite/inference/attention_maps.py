@@ -38,8 +38,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from flaxformer_lite.architectures import build_model  # noqa: E402
-from flaxformer_lite.translate import TranslateError, Translator  # noqa: E402
+from flaxformer_lite.inference.translate import TranslateError, Translator  # noqa: E402
+from flaxformer_lite.model.build import build_model  # noqa: E402
 
 KINDS = {"encoder": "encoder self", "decoder": "decoder self", "cross": "cross"}
 BOS_PIECE, EOS_PIECE = "<s>", "</s>"

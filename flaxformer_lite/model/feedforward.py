@@ -6,9 +6,9 @@ import flax.linen as nn
 import jax
 from jax import Array
 
-from flaxformer_lite import partitioning as P
-from flaxformer_lite.components.dropout import Dropout
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model import partitioning as P
+from flaxformer_lite.model.dropout import Dropout
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,

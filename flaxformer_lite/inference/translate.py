@@ -1,7 +1,7 @@
 """``Translator``: a trained workdir as a Python API (the line-filter commands built
-on it are in :mod:`flaxformer_lite.streaming`).
+on it are in :mod:`flaxformer_lite.inference.streaming`).
 
-  from flaxformer_lite.translate import Translator
+  from flaxformer_lite.inference.translate import Translator
   t = Translator.from_workdir("runs/ende_small")
   t.translate(["Where is the station?"], beam_size=4, alpha=0.6)
 
@@ -28,13 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite import decoding
-from flaxformer_lite.architectures import LanguageModel
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.experiment import DecodeConfig
+from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
-from flaxformer_lite.experiment import DecodeConfig
-from flaxformer_lite.run import Run
+from flaxformer_lite.inference import decoding
+from flaxformer_lite.inference.run import Run
+from flaxformer_lite.model.lm import LanguageModel
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
 
 TOO_LONG = ("truncate", "refuse")
 

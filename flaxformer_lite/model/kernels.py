@@ -4,7 +4,7 @@
   ``jax.nn.dot_product_attention``, and jax's cuDNN module for packed rows) for dense,
   causal and causal local-window attention (``attention_pattern`` dense, ``full`` or
   ``local:window=w``, per head group; a two-sided window runs on the blocked kernel).
-  Its limits and how each is met are listed above :func:`cudnn_window`.
+  Its limits and how each is met are listed above :class:`CudnnCall`.
 * ``splash``: TPU splash attention (Pallas) for any of the project's sparse
   patterns: ``Full`` -> ``FullMask``/``CausalMask``, ``Local`` -> ``LocalMask``,
   a causal one-block ``BlockLocal`` -> ``ChunkedCausalMask``, anything else -> a
@@ -29,8 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from flaxformer_lite.config import ConfigError, ModelConfig, register_check
+from flaxformer_lite.config.rules import cudnn_computes, cudnn_window
 from flaxformer_lite.sparse import patterns as P
+
+__all__ = ["CudnnCall", "cudnn_attention", "cudnn_call", "cudnn_computes", "cudnn_window",
+           "platform_mode", "splash_attention"]  # fmt: skip
 
 FUSED = ("cudnn", "splash")
 
@@ -73,37 +76,11 @@ def platform_mode(impl: str):
 #   and numbered in order, as packing makes them, at most ``max_segments`` per row).
 # * windows: cuDNN's sliding window is left-only (keys i-w..i) and so implies
 #   causality: a causal Local(w) pattern runs on cuDNN, a non-causal one cannot, and
-#   :func:`cudnn_computes` sends it to the project's blocked kernel instead.
+#   ``cudnn_computes`` (config/rules.py, the table of what each kernel supports) sends
+#   it to the project's blocked kernel instead.
 # * head size: a multiple of 8 and at most 256 (Hopper; 128 before it): a config rule.
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
-    """(causal, left window w: keys ``i-w..i``) of a pattern cuDNN's kernel computes, or
-    ValueError. A non-causal Local band is not among them (see :func:`cudnn_computes`)."""
-    if type(pattern) is P.Full:
-        return pattern.is_causal, None
-    if type(pattern) is P.Local and pattern.is_causal:
-        return True, pattern.window
-    if type(pattern) is P.Local:
-        raise ValueError(
-            f"cuDNN's sliding window is left-only (causal), and Local(window={pattern.window}) "
-            "is two-sided; it runs on the blocked kernel"
-        )
-    raise ValueError(
-        f"attention_impl=cudnn computes dense, causal and local-window attention, not "
-        f"{type(pattern).__name__}; use attention_impl=blocked (or splash on a TPU)"
-    )
-
-
-def cudnn_computes(pattern: P.Pattern) -> bool:
-    """True if cuDNN's kernel computes ``pattern``; False for a two-sided Local band (the
-    model runs that head group on the blocked kernel); ValueError for anything else."""
-    if type(pattern) is P.Local and not pattern.is_causal:
-        return False
-    cudnn_window(pattern)
-    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,41 +332,3 @@ def splash_attention(
             q, k, v, segments.astype(jnp.int32)
         )
     return heads_first(out).astype(query.dtype)
-
-
-@register_check
-def _check_fused(c: ModelConfig) -> None:
-    if c.attention_impl not in FUSED:
-        return
-    if c.score_fn not in ("scaled_dot", "dot"):
-        raise ConfigError(
-            f"model.attention_impl={c.attention_impl} computes dot-product scores, not "
-            f"score_fn={c.score_fn!r}; use scaled_dot or dot, or attention_impl=blocked"
-        )
-    if c.attention_dropout > 0:
-        raise ConfigError(
-            f"model.attention_impl={c.attention_impl} has no dropout on the attention "
-            f"weights (attention_dropout={c.attention_dropout}); set it to 0 or use "
-            "attention_impl=blocked"
-        )
-    if c.attention_impl == "cudnn":
-        if "float64" in (c.dtype, c.param_dtype):
-            raise ConfigError(
-                f"model.attention_impl=cudnn takes bfloat16/float16 (a float32 model's "
-                f"attention is rounded to bfloat16), not float64 (dtype={c.dtype}, "
-                f"param_dtype={c.param_dtype}); use attention_impl=blocked for float64"
-            )
-        for name, size in (("d_k", c.head_dim_qk), ("d_v", c.head_dim_v)):
-            if size % 8 or size > 256:
-                raise ConfigError(
-                    f"model.attention_impl=cudnn needs a head size that is a multiple of 8 "
-                    f"and at most 256 (128 before Hopper), and {name} is {size} "
-                    f"(d_model={c.d_model} / num_heads={c.num_heads} unless set); change "
-                    "num_heads or d_k/d_v, or use attention_impl=chunked"
-                )
-    if c.attention_impl == "splash" and not c.sparse_attention:
-        raise ConfigError(
-            "model.attention_impl=splash runs the sparse attention_pattern's kernel; with "
-            "attention_pattern=dense use attention_pattern=full (dense through splash) or "
-            "attention_impl=cudnn / blocked"
-        )

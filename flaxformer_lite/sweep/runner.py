@@ -54,11 +54,11 @@ from typing import Any
 import jax
 from tensorboardX import SummaryWriter
 
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.experiment import SECTIONS, ExperimentConfig, load_config
+from flaxformer_lite.config.fields import ConfigError, type_name
+from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.builders import LOCAL_BUILDERS, build_local_dataset
-from flaxformer_lite.experiment import SECTIONS, ExperimentConfig, load_config
-from flaxformer_lite.run import Run
-from flaxformer_lite.sections import ConfigError, type_name
+from flaxformer_lite.inference.run import Run
 from flaxformer_lite.training.flops import train_step_flops
 
 SPEC_FILE = "sweep.json"

@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
-from flaxformer_lite.translate import TranslateError, Translator, one_line
+from flaxformer_lite.inference.translate import TranslateError, Translator, one_line
 
 CHUNK = 1024  # lines read, translated and written at a time (a multiple of batch sizes)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from flaxformer_lite.architectures.lm import LanguageModel
-from flaxformer_lite.architectures.transformer import Transformer
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model.lm import LanguageModel
+from flaxformer_lite.model.transformer import Transformer
 
 TASKS = ("translation", "lm")
 

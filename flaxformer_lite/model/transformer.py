@@ -21,25 +21,25 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite import partitioning as P
-from flaxformer_lite.components.dropout import Dropout
-from flaxformer_lite.components.embedding import (
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model import partitioning as P
+from flaxformer_lite.model.dropout import Dropout
+from flaxformer_lite.model.embedding import (
     Embed,
     LearnedPositions,
     SinusoidalPositions,
     default_positions,
 )
-from flaxformer_lite.components.feedforward import FeedForward
-from flaxformer_lite.components.lexical import LexicalShortcut
-from flaxformer_lite.components.masks import (
+from flaxformer_lite.model.feedforward import FeedForward
+from flaxformer_lite.model.lexical import LexicalShortcut
+from flaxformer_lite.model.masks import (
     SegmentIds,
     combine_masks,
     make_causal_mask,
     make_padding_mask,
     make_segment_mask,
 )
-from flaxformer_lite.components.multihead import MultiHeadAttention
-from flaxformer_lite.config import ModelConfig
+from flaxformer_lite.model.multihead import MultiHeadAttention
 
 
 def shift_right(tokens: Array, bos_id: int, positions: Array | None = None) -> Array:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from flaxformer_lite import partitioning as P
+from flaxformer_lite.model import partitioning as P
 
 
 class Embed(nn.Module):

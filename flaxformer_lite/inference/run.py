@@ -18,7 +18,7 @@ average is read out of the stored optimizer state (the ``{count, ema}`` node tha
 ``training.state.params_ema`` writes), without building the optimizer, so
 nothing here depends on ``training/``.
 
-Layout of a workdir: see :mod:`flaxformer_lite.checkpoints`.
+Layout of a workdir: see :mod:`flaxformer_lite.workdir.folder`.
 """
 
 from __future__ import annotations
@@ -32,36 +32,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite import partitioning
-from flaxformer_lite.architectures import build_model
-from flaxformer_lite.config import ConfigError
+from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
-from flaxformer_lite.experiment import ExperimentConfig
-
-# The order in which a run's checkpoints are preferred for inference.
-PREFERENCE = ("averaged", "best", "last")
-
-
-def read_config(workdir: str | Path) -> ExperimentConfig | None:
-    """The experiment config saved in ``workdir`` (fields added since it was saved at
-    their defaults), or None when the folder holds no run."""
-    values = ckpt_lib.read_config(workdir)
-    if values is None:
-        return None
-    try:
-        return ExperimentConfig.from_config(values)
-    except ConfigError as e:
-        raise ckpt_lib.CheckpointError(
-            f"{Path(workdir) / ckpt_lib.CONFIG_FILE} is not a config this version can read "
-            f"({e}); restore it, or train in a new --workdir"
-        ) from e
+from flaxformer_lite.model import partitioning
+from flaxformer_lite.model.build import build_model
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir.folder import PREFERENCE, find_params_ema, read_config
 
 
 class Run:
     """A training run's folder, read-only.
 
-    ``Run.open(workdir)`` fails with a :class:`~flaxformer_lite.checkpoints.CheckpointError`
+    ``Run.open(workdir)`` fails with a :class:`~flaxformer_lite.workdir.checkpoints.CheckpointError`
     that says how to train when the folder holds no run.
     """
 
@@ -193,21 +175,3 @@ class Run:
             )
         ckpt_lib.check_shapes(ema, target, f"the last checkpoint of step {step} in {self.workdir}")
         return jax.tree.map(lambda e, t: jnp.asarray(e, t.dtype), ema, target), step
-
-
-def find_params_ema(opt_state: Any) -> Any | None:
-    """The parameter average in a stored optimizer state: the value of ``ema`` in the
-    first ``{count, ema}`` node (the on-disk form of ``training.state.ParamsEMAState``)."""
-    if isinstance(opt_state, dict):
-        if set(opt_state) == {"count", "ema"}:
-            return opt_state["ema"]
-        children = opt_state.values()
-    elif isinstance(opt_state, list | tuple):
-        children = opt_state
-    else:
-        return None
-    for child in children:
-        found = find_params_ema(child)
-        if found is not None:
-            return found
-    return None

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.architectures.lm import LanguageModel
-from flaxformer_lite.architectures.transformer import Transformer
+from flaxformer_lite.model.lm import LanguageModel
+from flaxformer_lite.model.transformer import Transformer
 
 NEG_INF = -1.0e9
 # Arguments every jitted search takes as compile-time constants.

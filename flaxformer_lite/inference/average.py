@@ -14,8 +14,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite import checkpoints as ckpt_lib
-from flaxformer_lite.run import Run
+from flaxformer_lite.inference.run import Run
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
 
 
 def average_params(run: Run, steps: list[int]):

@@ -1,25 +1,15 @@
 """Checkpoints with orbax: save, keep the last K, keep the best, resume, average.
 
-Layout of a workdir::
-
-  config.json               the experiment config of the run (checked on resume)
-  tokenizer.model           the run's sentencepiece model
-  checkpoints/<step>/       the last K train states + the data iterator position
-  checkpoints_best/<step>/  the state with the best validation metric
-  checkpoints_averaged/<step>/  parameters averaged over the last n checkpoints
-
-Training writes checkpoints with :class:`Checkpoints`; :mod:`flaxformer_lite.run`
-reads them for inference. Imports nothing of the project.
+Training writes checkpoints with :class:`Checkpoints`; inference reads parameters with
+:func:`restore_params` (:mod:`flaxformer_lite.inference.run`), averaging writes them
+with :func:`save_params`. The folder's layout: :mod:`flaxformer_lite.workdir.folder`;
+what a failed read or write says: :mod:`flaxformer_lite.workdir.failures`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import shutil
-import sys
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,76 +17,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-CONFIG_FILE = "config.json"
+from flaxformer_lite.workdir.failures import disk_error, ignore_closed_loop_reports, unreadable
+from flaxformer_lite.workdir.folder import CONFIG_FILE, CheckpointError
+
+__all__ = ["CONFIG_FILE", "CheckpointError", "Checkpoints", "disk_error"]
+
 KINDS = ("last", "best", "averaged")
 _DIRS = {"last": "checkpoints", "best": "checkpoints_best", "averaged": "checkpoints_averaged"}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message says why and what to do."""
-
-
-def _ignore_closed_loop_reports() -> None:
-    """After a failed read, tensorstore's reads still in flight report to orbax's event
-    loop, closed by then, and Python prints each "Event loop is closed" and each orbax
-    read coroutine left unfinished (hundreds of tracebacks for one error that
-    :func:`unreadable` reports). Those reports, and only those, are dropped."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_loop_reports", False):
-        return
-
-    def hook(report):
-        value = report.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        code = getattr(report.object, "cr_code", None)
-        if code is not None and "orbax" in code.co_filename:
-            return
-        previous(report)
-
-    hook.drops_closed_loop_reports = True
-    sys.unraisablehook = hook
-    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-    logging.getLogger("asyncio").addFilter(_StrayReadErrors())
-
-
-class _StrayReadErrors(logging.Filter):
-    """asyncio's "Future exception was never retrieved" for the other reads of a
-    checkpoint whose first failed read was already reported."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return not ("never retrieved" in text and ("OCDBT" in text or "TensorStore" in text))
-
-
-# What the operating system says when a write cannot be done, as tensorstore quotes it.
-_DISK_ERRORS = ("No space left on device", "Read-only file system", "Permission denied",
-                "Disk quota exceeded")  # fmt: skip
-
-
-def disk_error(error: BaseException) -> str | None:
-    """The reason, when ``error`` (or its cause) is a failed write for want of space or
-    permission (an ``OSError``, or tensorstore's error quoting one); else None."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno is not None:
-            return error.strerror or str(error)
-        for phrase in _DISK_ERRORS:
-            if phrase in str(error):
-                return phrase
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def unreadable(workdir, kind: str, step: int, error: BaseException) -> CheckpointError:
-    """The error for a checkpoint that cannot be read: its step, and the cause's first
-    line."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__  # tensorstore's own words, if any
-    cause = (str(error).strip().splitlines() or [""])[0][:240]
-    return CheckpointError(
-        f"the {kind} checkpoint of step {step} in {workdir} cannot be read "
-        f"({type(error).__name__}: {cause})"
-    )
 
 
 def _manager(directory: Path, **options) -> ocp.CheckpointManager:
@@ -188,7 +115,7 @@ class Checkpoints:
             reason = disk_error(e)
             if reason is None:
                 raise
-            _ignore_closed_loop_reports()
+            ignore_closed_loop_reports()
             directory = self.workdir / _DIRS[kind]
             remove_incomplete(directory)
             newest = self.last.latest_step()
@@ -249,7 +176,7 @@ class Checkpoints:
         )
 
     def _restore(self, step: int, target_state: Any) -> tuple[Any, dict]:
-        _ignore_closed_loop_reports()
+        ignore_closed_loop_reports()
         try:
             restored = self.last.restore(
                 step,
@@ -334,7 +261,7 @@ def restore_params(
     ``target_params`` gives shapes/dtypes (e.g. ``jax.eval_shape`` of model.init).
     """
     step = _pick_step(workdir, kind, step)
-    _ignore_closed_loop_reports()
+    ignore_closed_loop_reports()
     manager = _manager(Path(workdir) / _DIRS[kind], read_only=True)
     item = "params" if kind == "averaged" else "state"
     target = {"params": _abstract(target_params)}
@@ -381,7 +308,7 @@ def restore_state_part(workdir: str | Path, part: str, step: int | None = None) 
     this is how inference reads the parameters' moving average of a run.
     """
     step = _pick_step(workdir, "last", step)
-    _ignore_closed_loop_reports()
+    ignore_closed_loop_reports()
     directory = (Path(workdir) / _DIRS["last"] / str(step) / "state").absolute()
     try:
         stored = ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
@@ -434,20 +361,3 @@ def save_params(workdir: str | Path, step: int, params: Any, kind: str = "averag
     staging.rename(target)
     shutil.rmtree(replaced, ignore_errors=True)
     return target / str(step)
-
-
-def write_config(workdir: str | Path, config_json: str) -> None:
-    path = Path(workdir) / CONFIG_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(config_json)
-    tmp.replace(path)
-
-
-def read_config(workdir: str | Path) -> dict | None:
-    path = Path(workdir) / CONFIG_FILE
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); restore or delete it") from e

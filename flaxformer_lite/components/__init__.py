@@ -1,1 +1,0 @@
-"""Building blocks of the models, each usable and tested alone."""
