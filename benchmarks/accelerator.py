@@ -137,7 +137,7 @@ def environment(tiny: bool) -> dict:
 
 def train_cases(tiny: bool):
     """(label, ModelConfig, batch rows, row length) of the train-step rows."""
-    from flaxformer_lite.config.experiment import load_config
+    from flaxformer_lite.config.files import load_config
     from flaxformer_lite.config.model import PRESETS, ModelConfig, model_config_from
 
     ende = model_config_from(load_config(str(ROOT / "configs" / "ende_small.py")))

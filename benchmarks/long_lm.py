@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flaxformer_lite.config import experiment  # noqa: E402
+from flaxformer_lite.config import files  # noqa: E402
 from flaxformer_lite.config.model import model_config_from  # noqa: E402
 from flaxformer_lite.model.build import build_model  # noqa: E402
 from flaxformer_lite.training import steps  # noqa: E402
@@ -34,7 +34,7 @@ from flaxformer_lite.training.state import create_train_state, make_optimizer  #
 
 
 def load_config():
-    return experiment.load_config(str(ROOT / "configs" / "lm_long_sparse.py"))
+    return files.load_config(str(ROOT / "configs" / "lm_long_sparse.py"))
 
 
 def compiled_step(config, pattern: str, length: int):

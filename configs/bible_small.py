@@ -6,8 +6,7 @@ Test books (Ruth, Jonah, Titus, Philemon, Jude) are never seen in training.
 Verses are longer than the Ding sentences: rows of 128 tokens.
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.config import ModelConfig, apply_variants, base_config
 
 
 def get_config(arg: str | None = None):

@@ -15,8 +15,7 @@ A fixed step budget (not minutes), so that a run gives the same numbers on any
 machine; BLEU is scored afterwards by the sweep (beam 4, alpha 0.6).
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.config import ModelConfig, apply_variants, base_config
 
 
 def get_config(arg: str | None = None):

@@ -15,8 +15,7 @@ on the attention weights), and evaluation uses an exponential moving average of 
 parameters (``make demo`` then translates with the mean of the last four checkpoints' averages).
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.config import ModelConfig, apply_variants, base_config
 
 
 def get_config(arg: str | None = None):

@@ -15,8 +15,7 @@ blocked kernel: no 4,096 x 4,096 array exists in the step. `:debug` shrinks it
 to a seconds-long run (rows of 512 tokens).
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.config import ModelConfig, apply_variants, base_config
 
 LENGTH = 4096
 

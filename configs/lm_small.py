@@ -8,8 +8,7 @@ training books, verses packed into rows of 128 tokens. Validation is on the
 held-out books of bible_en_es (Obadiah, Haggai, 2 and 3 John).
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.config import ModelConfig, apply_variants, base_config
 
 
 def get_config(arg: str | None = None):

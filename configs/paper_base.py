@@ -11,8 +11,7 @@ Adam(0.9, 0.98, 1e-9), noam schedule with 4000 warmup steps, label smoothing
 tokens; here 400 packed rows of 64 (adjust to your accelerator).
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import PRESETS
+from flaxformer_lite.config import PRESETS, apply_variants, base_config
 
 
 def get_config(arg: str | None = None):

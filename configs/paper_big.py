@@ -8,8 +8,7 @@ used 0.1 for EN-FR: --config.model.residual_dropout=0.1
 214,245,376 parameters (the paper: 213M).
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import PRESETS
+from flaxformer_lite.config import PRESETS, apply_variants, base_config
 
 
 def get_config(arg: str | None = None):

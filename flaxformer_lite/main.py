@@ -1,4 +1,4 @@
-"""Command line: flags only; the work is in training/, translate, evaluation and average.
+"""Command line: the command table and its flags; the work is in the layers below.
 
   python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=runs/x \\
       [--config.model.num_heads=4 ...]
@@ -35,11 +35,13 @@ if __name__ == "__main__":
 
     _preemption.install_at_start()
 
+import dataclasses
 import errno
 import logging as std_logging
 import os
 import re
 import sys
+from collections.abc import Callable
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -119,10 +121,127 @@ _TARGET = flags.DEFINE_string(
     "target", None, "attention: the translation to draw (default: the model's own)."
 )
 
-COMMANDS = (
-    "train", "average", "translate", "evaluate", "generate", "attention", "sweep", "fields"
-)  # fmt: skip
-TAKES_TEXT = ("translate", "generate", "attention")  # commands whose arguments are texts
+# The commands: what each runs, the flags it reads and whether it takes texts. A flag
+# of another command is an error, not silently ignored.
+DECODE = ("beam_size", "alpha", "no_repeat_ngram", "min_length_ratio", "max_length_ratio")
+PROCESSES = ("coordinator_address", "num_processes", "process_id", "distributed",
+             "heartbeat_timeout")  # fmt: skip
+SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A command of the table: ``run(texts)`` does the work (importing what it needs)."""
+
+    run: Callable[[list[str]], None]
+    flags: tuple[str, ...]
+    texts: bool = False  # takes its arguments as texts (translate, generate, attention)
+    workdir: bool = True  # needs --workdir
+
+
+def _train(texts: list[str]) -> None:
+    if _CONFIG.value is None:
+        _fail("--config is required, e.g. --config=configs/ende_small.py")
+    from flaxformer_lite.training import distributed
+    from flaxformer_lite.training.train import train_and_evaluate
+
+    distributed.initialize(
+        _COORDINATOR.value,
+        _NUM_PROCESSES.value,
+        _PROCESS_ID.value,
+        auto=_DISTRIBUTED.value,
+        heartbeat_timeout=_HEARTBEAT.value,
+    )
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+def _average(texts: list[str]) -> None:
+    from flaxformer_lite.inference.average import average_workdir
+
+    average_workdir(_WORKDIR.value, _NUM.value)
+
+
+def _translate(texts: list[str]) -> None:
+    from flaxformer_lite.inference import streaming
+
+    streaming.translate_main(
+        _WORKDIR.value, texts, _INPUT.value, _ENSEMBLE.value, **_decode_options()
+    )
+
+
+def _generate(texts: list[str]) -> None:
+    from flaxformer_lite.inference import streaming
+
+    streaming.generate_main(
+        _WORKDIR.value,
+        texts,
+        _INPUT.value,
+        ensemble=_ENSEMBLE.value,
+        max_new_tokens=_MAX_NEW.value,
+        temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value,
+        top_p=_TOP_P.value,
+        seed=_SEED.value,
+    )
+
+
+def _attention(texts: list[str]) -> None:
+    from flaxformer_lite.inference import attention_maps
+
+    attention_maps.main(_WORKDIR.value, texts, _OUTPUT.value, _TARGET.value, **_decode_options())
+
+
+def _evaluate(texts: list[str]) -> None:
+    from flaxformer_lite.inference.evaluation import evaluate_workdir
+
+    evaluate_workdir(
+        _WORKDIR.value,
+        _SPLIT.value,
+        limit=_LIMIT.value,
+        ensemble=_ENSEMBLE.value,
+        **_decode_options(),
+    )
+
+
+def _fields(texts: list[str]) -> None:
+    from flaxformer_lite.config.files import field_table  # no JAX: answers at once
+
+    print(field_table())
+
+
+def _decode_options() -> dict:
+    return {name: flags.FLAGS[name].value for name in DECODE}
+
+
+COMMANDS = {
+    "train": Command(_train, ("config", *PROCESSES)),
+    "average": Command(_average, ("num",)),
+    "translate": Command(_translate, ("input", "ensemble", *DECODE), texts=True),
+    "evaluate": Command(_evaluate, ("split", "limit", "ensemble", *DECODE)),
+    "generate": Command(_generate, ("input", "ensemble", *SAMPLING), texts=True),
+    "attention": Command(_attention, ("output", "target", *DECODE), texts=True),
+    "sweep": Command(
+        lambda texts: _sweep(), ("config", "sweep", "seeds", "parallel", "split", "limit", *DECODE)
+    ),  # fmt: skip
+    "fields": Command(_fields, (), workdir=False),
+}
+EVERY_COMMAND = ("workdir", "debug")  # --workdir where needed; --debug anywhere
+
+
+def _check_flags(name: str, command: Command) -> None:
+    """One line for a flag this command does not read (another command's)."""
+    ours = {f for c in COMMANDS.values() for f in c.flags} | set(EVERY_COMMAND)
+    for flag in sorted(ours - set(command.flags) - set(EVERY_COMMAND)):
+        if flags.FLAGS[flag].present:
+            owners = [n for n, c in COMMANDS.items() if flag in c.flags]
+            _fail(
+                f"--{flag} is a flag of {' / '.join(owners)}, not of {name}; drop it "
+                f"(`python -m flaxformer_lite.main --helpfull` lists each command's flags)"
+            )
+    if not command.workdir and flags.FLAGS["workdir"].present:
+        _fail(f"{name} takes no --workdir; drop it")
+    if "config" not in command.flags and any(a.startswith("--config.") for a in sys.argv[1:]):
+        _fail(f"{name} takes no --config overrides; they belong to train and sweep")
 
 
 def _fail(message: str) -> None:
@@ -135,110 +254,47 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def main(argv: list[str]) -> None:
-    from flaxformer_lite.config.model import ConfigError
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are the user's to fix: reported in one line, no traceback."""
+    from flaxformer_lite.config.fields import ConfigError
     from flaxformer_lite.data.prepare import PrepareError
     from flaxformer_lite.inference.translate import TranslateError
-    from flaxformer_lite.sweep.runner import SweepError
-    from flaxformer_lite.training.distributed import DistributedError, PeerLostError
-    from flaxformer_lite.training.train import TrainingError
-    from flaxformer_lite.workdir.checkpoints import CheckpointError
+    from flaxformer_lite.sweep.spec import SweepError
+    from flaxformer_lite.training.distributed import DistributedError
+    from flaxformer_lite.training.startup import TrainingError
+    from flaxformer_lite.workdir.folder import CheckpointError
 
+    return (ConfigError, TrainingError, DistributedError, CheckpointError, PrepareError,
+            SweepError, TranslateError, OSError, ValueError)  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax/absl INFO and WARNING lines are noise here
     if not _DEBUG.value:  # orbax logs each error it raises, with its traceback; we report it
         logging.get_absl_logger().addFilter(_NotFromOrbax())
-    command = argv[1] if len(argv) > 1 else "train"
-    if command != "train":  # the others keep the default signal handling
+    name = argv[1] if len(argv) > 1 else "train"
+    if name != "train":  # the others keep the default signal handling
         from flaxformer_lite.training import preemption
 
         preemption.release_at_start()
-    if command not in COMMANDS or (len(argv) > 2 and command not in TAKES_TEXT):
+    command = COMMANDS.get(name)
+    if command is None or (len(argv) > 2 and not command.texts):
         _fail(f"unknown command {' '.join(argv[1:])!r}; commands: {', '.join(COMMANDS)}")
-    if command == "fields":
-        from flaxformer_lite.config.experiment import field_table
-
-        print(field_table())
-        return
-    if not _WORKDIR.value:
+    _check_flags(name, command)
+    if command.workdir and not _WORKDIR.value:
         _fail("--workdir is required (the run's folder)")
-    decode_options = dict(
-        beam_size=_BEAM.value,
-        alpha=_ALPHA.value,
-        no_repeat_ngram=_NO_REPEAT.value,
-        min_length_ratio=_MIN_RATIO.value,
-        max_length_ratio=_MAX_RATIO.value,
-    )
+    if not command.workdir:  # fields: nothing to fail but the config's own import
+        command.run(argv[2:])
+        return
+    errors = _user_errors()
     try:
-        if command == "train":
-            if _CONFIG.value is None:
-                _fail("--config is required, e.g. --config=configs/ende_small.py")
-            from flaxformer_lite.training import distributed
-            from flaxformer_lite.training.train import train_and_evaluate
-
-            distributed.initialize(
-                _COORDINATOR.value,
-                _NUM_PROCESSES.value,
-                _PROCESS_ID.value,
-                auto=_DISTRIBUTED.value,
-                heartbeat_timeout=_HEARTBEAT.value,
-            )
-            train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-        elif command == "average":
-            from flaxformer_lite.inference.average import average_workdir
-
-            average_workdir(_WORKDIR.value, _NUM.value)
-        elif command == "translate":
-            from flaxformer_lite.inference import streaming
-
-            streaming.translate_main(
-                _WORKDIR.value, argv[2:], _INPUT.value, _ENSEMBLE.value, **decode_options
-            )
-        elif command == "generate":
-            from flaxformer_lite.inference import streaming
-
-            streaming.generate_main(
-                _WORKDIR.value,
-                argv[2:],
-                _INPUT.value,
-                ensemble=_ENSEMBLE.value,
-                max_new_tokens=_MAX_NEW.value,
-                temperature=_TEMPERATURE.value,
-                top_k=_TOP_K.value,
-                top_p=_TOP_P.value,
-                seed=_SEED.value,
-            )
-        elif command == "attention":
-            from flaxformer_lite.inference import attention_maps
-
-            attention_maps.main(
-                _WORKDIR.value, argv[2:], _OUTPUT.value, _TARGET.value, **decode_options
-            )
-        elif command == "sweep":
-            _sweep(decode_options)
-        elif command == "evaluate":
-            from flaxformer_lite.inference.evaluation import evaluate_workdir
-
-            evaluate_workdir(
-                _WORKDIR.value,
-                _SPLIT.value,
-                limit=_LIMIT.value,
-                ensemble=_ENSEMBLE.value,
-                **decode_options,
-            )
-    except (
-        ConfigError,
-        TrainingError,
-        DistributedError,
-        CheckpointError,
-        PrepareError,
-        SweepError,
-        TranslateError,
-        OSError,
-        ValueError,
-    ) as e:
+        command.run(argv[2:])
+    except errors as e:
         if _DEBUG.value:
             raise
+        from flaxformer_lite.training.distributed import PeerLostError
+
         if isinstance(e, PeerLostError):
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
@@ -273,10 +329,11 @@ class _NotFromOrbax(std_logging.Filter):
         return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
-def _sweep(decode_options: dict) -> None:
+def _sweep() -> None:
     import jax
 
     from flaxformer_lite.sweep import runner as sweep
+    from flaxformer_lite.sweep.spec import Sweep, parse_axis
 
     # This process only validates, counts parameters and tabulates: it stays on the CPU
     # so that the runs it starts (in their own processes) get the accelerators.
@@ -285,14 +342,14 @@ def _sweep(decode_options: dict) -> None:
     if _CONFIG.value is None:
         _fail("--config is required, e.g. --config=configs/ende_small.py:debug")
     config_flag = flags.FLAGS["config"]
-    spec = sweep.Sweep(
+    spec = Sweep(
         config=config_flags.get_config_filename(config_flag),
-        axes=tuple(sweep.parse_axis(a) for a in _SWEEP.value),
+        axes=tuple(parse_axis(a) for a in _SWEEP.value),
         seeds=_SEEDS.value,
         overrides=dict(config_flags.get_override_values(config_flag)),
         split=_SPLIT.value,
         limit=_LIMIT.value,
-        decode_flags=tuple(f"--{k}={v}" for k, v in decode_options.items() if v is not None),
+        decode_flags=tuple(f"--{k}={v}" for k, v in _decode_options().items() if v is not None),
     )
     rows = sweep.run_sweep(spec, _WORKDIR.value, parallel=_PARALLEL.value)
     failed = [r["run"] for r in rows if r.get("status") != "ok"]
@@ -333,12 +390,33 @@ def _parse_flags(argv: list[str]) -> list[str]:
             _fail(f"--config: {e}")
         text = str(e.args[0]) if e.args else str(e)
         field = re.search(r"[A-Za-z_]\w*", text)
-        hint = re.search(r'Did you mean "([^"]+)"', text)
-        _fail(
-            f"unknown config field {field.group(0) if field else text!r}"
-            + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
-            + "; `python -m flaxformer_lite.main fields` lists the fields"
-        )
+        _fail(_unknown_field(field.group(0) if field else text, argv))
+
+
+def _unknown_field(name: str, argv: list[str]) -> str:
+    """``unknown config field 'model.dropout_rate'`` with the section's fields that share
+    a word with it (``*_dropout``), or else the closest names."""
+    import difflib
+
+    from flaxformer_lite.config.experiment import SECTIONS
+    from flaxformer_lite.config.model import ModelConfig
+
+    given = next(
+        (a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")
+         and a.split("=")[0].endswith(f".{name}")),
+        name,
+    )  # fmt: skip
+    section = given.partition(".")[0] if "." in given else ""
+    kinds = {"model": ModelConfig, **SECTIONS}
+    known = [f.name for f in dataclasses.fields(kinds[section])] if section in kinds else []
+    words = set(name.split("_"))
+    alike = [k for k in known if words & set(k.split("_"))]
+    alike = alike or difflib.get_close_matches(name, known, n=3)
+    hint = f"; {section}'s fields like it: {', '.join(alike)}" if alike else ""
+    return (
+        f"unknown config field {given!r}{hint} "
+        "(`python -m flaxformer_lite.main fields` lists every field)"
+    )
 
 
 def run() -> None:

@@ -142,9 +142,9 @@ OPTIMIZED = {"xla_backend_optimization_level": 3}
 
 def load_config(name: str = "ende_small", arg: str | None = "debug"):
     """The ml_collections config of ``configs/<name>.py`` with its ``arg`` variant."""
-    from flaxformer_lite.config import experiment
+    from flaxformer_lite.config import files
 
-    return experiment.load_config(str(ROOT / "configs" / f"{name}.py"), arg)
+    return files.load_config(str(ROOT / "configs" / f"{name}.py"), arg)
 
 
 def debug_config(data_dir, **train):
@@ -163,7 +163,7 @@ def debug_config(data_dir, **train):
 
 
 def train_on_one_device(monkeypatch) -> None:
-    """train_and_evaluate in this process on its first device only (the loop's Parallel
+    """train_and_evaluate in this process on its first device only (startup's Parallel
     takes every device it sees, here 8), for tests whose point is not the device
     count: a :debug run on 8 simulated devices costs twice the CPU. Multi-device
     training has its own tests (test_sharding, test_steps, test_multiprocess)."""
@@ -171,10 +171,10 @@ def train_on_one_device(monkeypatch) -> None:
 
     import jax
 
-    from flaxformer_lite.training import parallel, train
+    from flaxformer_lite.training import parallel, startup
 
     one = functools.partial(parallel.Parallel, devices=jax.devices()[:1])
-    monkeypatch.setattr(train, "Parallel", one)
+    monkeypatch.setattr(startup, "Parallel", one)
 
 
 def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:

@@ -159,9 +159,9 @@ def test_the_models_with_chunked_attention_equal_plain(lm):
 
 
 def test_chunked_refuses_what_it_cannot_compute():
-    with pytest.raises(ConfigError, match="attention_impl='chunked'"):
+    with pytest.raises(ConfigError, match="attention_impl=chunked"):
         _config(attention_impl="chunked", score_fn="additive")
-    with pytest.raises(ConfigError, match="attention_impl='chunked'"):
+    with pytest.raises(ConfigError, match="attention_impl=chunked"):
         _config(attention_impl="chunked", attention_dropout=0.1)
-    with pytest.raises(ConfigError, match="attention_impl='chunked'"):
+    with pytest.raises(ConfigError, match="attention_impl=chunked"):
         _config(attention_impl="chunked", attention_pattern="local:window=8")

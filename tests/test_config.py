@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite import PRESETS, ConfigError, LanguageModel, ModelConfig, Transformer
-from flaxformer_lite.config.experiment import load_config
+from flaxformer_lite.config.files import load_config
 from flaxformer_lite.config.model import get_preset, model_config_from
 from flaxformer_lite.model.partitioning import unbox
 

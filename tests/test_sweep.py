@@ -12,7 +12,8 @@ import time
 import pytest
 
 from flaxformer_lite.sweep import runner as sweep
-from flaxformer_lite.sweep.runner import Axis, Sweep, SweepError, parse_axis
+from flaxformer_lite.sweep.report import summarize
+from flaxformer_lite.sweep.spec import Axis, Sweep, SweepError, parse_axis
 from tests.fixtures import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -162,7 +163,7 @@ def test_summary_gives_mean_and_sample_std():
             "test_bleu": 7.0,
         },
     ]
-    table = sweep.summarize(spec, rows)
+    table = summarize(spec, rows)
     line = next(t for t in table.splitlines() if t.startswith("| num_heads=1"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     # sample std of (2, 4) is sqrt(2) = 1.414; of (5, 7) the same

@@ -10,8 +10,7 @@ varies model.attention_pattern; everything else is equal, so the runs differ
 only in which keys each query reads.
 """
 
-from flaxformer_lite.config.experiment import apply_variants, base_config
-from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.config import ModelConfig, apply_variants, base_config
 
 TOKENS_PER_STEP = 4096
 

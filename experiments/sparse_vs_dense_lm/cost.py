@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from long_lm import compiled_step  # noqa: E402
 
-from flaxformer_lite.config import experiment  # noqa: E402
+from flaxformer_lite.config import files  # noqa: E402
 
 
 def patterns(length: int) -> dict[str, str]:
@@ -44,7 +44,7 @@ def patterns(length: int) -> dict[str, str]:
 
 
 def measure(length: int, rounds: int) -> dict:
-    config = experiment.load_config(str(HERE / "config.py"), str(length))
+    config = files.load_config(str(HERE / "config.py"), str(length))
     programs = {}
     for name, spec in patterns(length).items():
         fn, state, batch, peak = compiled_step(config, spec, length)

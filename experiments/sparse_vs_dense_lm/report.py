@@ -2,6 +2,11 @@
 and two figures (perplexity against time, cost against context).
 
   .venv/bin/python experiments/sparse_vs_dense_lm/report.py [--runs=DIR]  (default: runs/ here)
+  .venv/bin/python experiments/sparse_vs_dense_lm/report.py --restore   # before re-running
+
+The record is results.jsonl and curves.jsonl here (every run's row and validation
+curve; flaxformer_lite/sweep/record.py), gathered from the sweep folders under --runs
+when they exist (they are not committed) and read from here otherwise.
 
 Quality is the validation perplexity of each pattern after the same steps and tokens
 (mean ± sample std over seeds). Time is not the runs' wall clock (the sweep shared
@@ -25,6 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flaxformer_lite.sweep import record  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 NAMES = {  # pattern spec in the sweep -> the name cost.py gives it
     "dense": "dense",
@@ -43,15 +50,11 @@ def mean_std(values: list[float]) -> dict:
     }
 
 
-def validation_curve(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, nll) of every validation of the run, in step order (a resumed run's
-    repeated steps keep the last)."""
-    points = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("split") == "validation":
-            points[int(row["step"])] = float(row["nll"])
-    return sorted(points.items())
+def validation_curve(curve: dict) -> list[tuple[int, float]]:
+    """(step, nll) of every validation of a run, in step order (a resumed run's repeated
+    steps keep the last)."""
+    v = curve["validation"]
+    return [(int(s), float(n)) for s, n in zip(v["step"], v["nll"], strict=True)]
 
 
 def nll_at(curve: list[tuple[int, float]], step: float) -> float:
@@ -61,26 +64,32 @@ def nll_at(curve: list[tuple[int, float]], step: float) -> float:
     return float(np.interp(step, steps, nlls))
 
 
-def gather(sweep: Path) -> dict[str, dict]:
+def gather(sweep: str) -> dict[str, dict]:
+    curves = {c["run"]: c for c in record.curves(HERE) if c["sweep"] == sweep}
     out: dict[str, dict] = {}
-    for line in (sweep / "results.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("status") != "ok":
+    for row in record.rows(HERE):
+        if row["sweep"] != sweep or row.get("status") != "ok":
             continue
         name = NAMES[row["overrides"]["model.attention_pattern"]]
         entry = out.setdefault(name, {"rows": [], "curves": []})
         entry["rows"].append(row)
-        entry["curves"].append(validation_curve(sweep / row["run"]))
+        entry["curves"].append(validation_curve(curves[row["run"]]))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=HERE / "runs")
+    parser.add_argument("--restore", action="store_true", help="the record into --runs")
     args = parser.parse_args()
+    if args.restore:
+        record.restore(HERE, args.runs)
+        return
+    if args.runs.is_dir():
+        record.collect(args.runs, HERE)
     cost = json.loads((HERE / "cost.json").read_text())
     price = {n: cost["lengths"]["1024"][n]["time_vs_dense"] for n in NAMES.values()}
-    found = gather(args.runs / "context1024")
+    found = gather("context1024")
     steps = {n: e["rows"][0]["steps"] for n, e in found.items()}
     budget = min(steps[n] * price[n] for n in found)  # in dense steps
     quality = {}

@@ -1,7 +1,12 @@
-"""Table 3 in miniature: gather the row sweeps of run.sh into results.json, table.md and
+"""Table 3 in miniature: the row sweeps of run.sh into results.json, table.md and
 table3.png, with each row's change against the base model and the paper's direction.
 
   .venv/bin/python experiments/table3_mini/report.py [--runs=experiments/table3_mini/runs]
+  .venv/bin/python experiments/table3_mini/report.py --restore   # before re-running sweeps
+
+The record is results.jsonl here (every run's row; flaxformer_lite/sweep/record.py),
+gathered from the sweep folders under --runs when they exist (they are not committed)
+and read from here otherwise, so a fresh clone redraws every table and figure.
 
 A change moves (up or down) when its mean differs from the base's by more than the two
 standard deviations combined (sqrt(s_row^2 + s_base^2)); then it is in the paper's
@@ -17,6 +22,8 @@ import statistics
 from pathlib import Path
 
 import matplotlib
+
+from flaxformer_lite.sweep import record
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -93,12 +100,10 @@ def stats(rows: list[dict], key: str) -> dict | None:
     }
 
 
-def load(runs: Path) -> dict[tuple[str, str], list[dict]]:
+def load() -> dict[tuple[str, str], list[dict]]:
     out: dict[tuple[str, str], list[dict]] = {}
-    for sweep in sorted(p for p in runs.iterdir() if (p / "results.jsonl").is_file()):
-        for line in (sweep / "results.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            out.setdefault((sweep.name, row["run"].rpartition("/")[0]), []).append(row)
+    for row in record.rows(HERE):
+        out.setdefault((row["sweep"], row["run"].rpartition("/")[0]), []).append(row)
     return out
 
 
@@ -127,8 +132,14 @@ def verdict(row: dict, base: dict, direction: int | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=HERE / "runs")
+    parser.add_argument("--restore", action="store_true", help="the record into --runs")
     args = parser.parse_args()
-    found = load(args.runs)
+    if args.restore:
+        record.restore(HERE, args.runs)
+        return
+    if args.runs.is_dir():
+        record.collect(args.runs, HERE)
+    found = load()
     base_rows = found.get(("base", "base"), [])
     base = {m: stats(base_rows, m) for m in METRICS}
     base["parameters"] = base_rows[0]["parameters"] if base_rows else None

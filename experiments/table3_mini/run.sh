@@ -2,12 +2,13 @@
 # The paper's Table 3 in miniature: configs/ding_mini.py cut to 400 steps, one sweep per
 # row, 3 seeds each, test BLEU on the first 300 test sentences. Two lanes of sweeps, each
 # pinned to one core (1.3x the throughput of one run on both cores on a 2-core machine);
-# 45 runs, ~2 hours on 2 cores. Resumable: re-run to continue; the runs' results
-# (not their checkpoints) are kept under experiments/table3_mini/runs/.
+# 45 runs, ~2 hours on 2 cores. Resumable: re-run to continue; the record of the runs
+# (results.jsonl here) is restored into runs/ first, so recorded runs are not repeated;
+# FRESH=1 runs everything again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
-OUT=${OUT:-experiments/table3_mini/runs}  # OUT=runs/t3 re-runs all from scratch
+OUT=${OUT:-experiments/table3_mini/runs}
 STEPS=${STEPS:-400}
 sweep() {  # sweep CORE NAME [--sweep=...]; pinned to CORE on a machine with 2+ cores
   local core=$1 name=$2; shift 2
@@ -31,6 +32,7 @@ lane1() {
   sweep 1 ln --sweep=model.ln_position=pre
 }
 mkdir -p "$OUT"
+[ "${FRESH:-0}" = 1 ] || "$PY" experiments/table3_mini/report.py --restore --runs="$OUT"
 if [ "$(nproc)" -ge 2 ]; then
   lane0 > "$OUT/lane0.log" 2>&1 & first=$!
   lane1 > "$OUT/lane1.log" 2>&1 & second=$!

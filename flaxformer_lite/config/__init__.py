@@ -10,13 +10,9 @@ The public names below are what config files use: ``from flaxformer_lite.config
 import ModelConfig, base_config, apply_variants``.
 """
 
-from flaxformer_lite.config.experiment import (
-    ExperimentConfig,
-    apply_variants,
-    base_config,
-    load_config,
-)
+from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.fields import ConfigError
+from flaxformer_lite.config.files import apply_variants, base_config, load_config
 from flaxformer_lite.config.model import PRESETS, ModelConfig, get_preset
 
 __all__ = [

@@ -32,9 +32,8 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
+from flaxformer_lite.config.experiment import TOO_LONG
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-
-TOO_LONG = ("drop", "truncate")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 
-TOO_LONG = ("truncate", "refuse")
+LONG_INPUTS = ("truncate", "refuse")  # what translate does with a source over max_len
 
 
 def _without_training_only(c: ModelConfig) -> ModelConfig:
@@ -80,8 +80,8 @@ class Translator:
         too_long: str = "truncate",
         decode: DecodeConfig | None = None,
     ):
-        if too_long not in TOO_LONG:
-            raise TranslateError(f"too_long={too_long!r}; choose one of {', '.join(TOO_LONG)}")
+        if too_long not in LONG_INPUTS:
+            raise TranslateError(f"too_long={too_long!r}; choose one of {', '.join(LONG_INPUTS)}")
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.config: ModelConfig = model.config
         self.batch_size, self.too_long = batch_size, too_long

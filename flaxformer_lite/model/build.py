@@ -1,14 +1,13 @@
-"""Whole models built from components: the encoder-decoder and the decoder-only LM."""
+"""The model of a task: the encoder-decoder for translation, the decoder-only LM for lm."""
 
 from __future__ import annotations
 
 import flax.linen as nn
 
+from flaxformer_lite.config.experiment import TASKS
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer
-
-TASKS = ("translation", "lm")
 
 
 def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Module:
@@ -18,4 +17,4 @@ def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Modu
     return LanguageModel(model_config) if task == "lm" else Transformer(model_config)
 
 
-__all__ = ["LanguageModel", "TASKS", "Transformer", "build_model"]
+__all__ = ["LanguageModel", "Transformer", "build_model"]

@@ -65,13 +65,20 @@ class Parallel:
         if self.kind == "jit":
             self.state_shardings = partitioning.shardings(logical_specs, abstract_state, self.mesh)
 
-    def check_batch_size(self, batch_size: int) -> None:
+    def check_batch_size(self, batch_size: int, concurrent_splits: int = 1) -> None:
+        """The batch against the devices (the config checked it alone: config/rules.py)."""
         if self.kind == "pmap":
             local = jax.local_device_count()
             if batch_size % local:
                 raise ValueError(
                     f"train.batch_size={batch_size} is not divisible by the {local} devices; "
                     f"use a multiple of {local}"
+                )
+            if (batch_size // local) % concurrent_splits:
+                raise ValueError(
+                    f"train.concurrent_splits={concurrent_splits} does not divide the "
+                    f"{batch_size // local} rows each device gets (train.batch_size="
+                    f"{batch_size}); pick a divisor"
                 )
             return
         rows = self.mesh.shape["data"] * self.mesh.shape["fsdp"]

@@ -14,64 +14,29 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
-from flaxformer_lite.config.mesh import MeshError
 from flaxformer_lite.data import assembly, pipeline
-from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.inference.evaluation import corpus_scores
 from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.model.build import build_model
-from flaxformer_lite.model.partitioning import check_model
-from flaxformer_lite.training import distributed, flops, losses, preemption, schedules
+from flaxformer_lite.training import distributed, flops, losses, preemption, startup
 from flaxformer_lite.training.logging import MetricsLogger
+from flaxformer_lite.training.loop import Clock, Throughput
 from flaxformer_lite.training.parallel import Parallel
+from flaxformer_lite.training.startup import TrainingError
 from flaxformer_lite.training.state import (
     TrainState,
     create_train_state,
     evaluation_params,
-    is_token_embedding,
     make_optimizer,
     parameter_count,
     state_partitioning,
 )
 from flaxformer_lite.training.steps import eval_step, train_step
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
-from flaxformer_lite.workdir.folder import read_config, write_config
+from flaxformer_lite.workdir.folder import write_config
 from flaxformer_lite.workdir.lock import WorkdirBusyError, WorkdirLock
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on; the message names the cause and the fix."""
-
-
-def _check_workdir(config, workdir: Path) -> None:
-    """Writable, and holding no other model's run (a clear error, never a shape crash)."""
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write_test.{jax.process_index()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise TrainingError(
-            f"cannot write to --workdir={workdir} ({e.strerror}); choose a writable folder"
-        ) from e
-    previous = read_config(workdir)
-    if previous is None:
-        return
-    previous, current = previous.to_dict(), config.to_dict()
-    for section in ("model", "data"):
-        old, new = previous.get(section, {}), current.get(section, {})
-        differ = sorted(
-            k for k in set(old) | set(new) if k != "data_dir" and old.get(k) != new.get(k)
-        )
-        if differ:
-            details = ", ".join(f"{section}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ)
-            raise TrainingError(
-                f"--workdir={workdir} holds a run of a different {section} ({details}); "
-                "use a new --workdir, or the config that run was trained with"
-            )
 
 
 def _evaluate(p_eval, par: Parallel, state, batches) -> dict[str, float]:
@@ -101,355 +66,259 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
         config = ExperimentConfig.from_config(config)  # checked before any data is read
         config.model.check_precision()  # float64 needs x64 on
         wall_start = time.perf_counter()
-        _check_workdir(config, workdir)
+        startup.check_workdir(config, workdir)
         with WorkdirLock(workdir, enabled=jax.process_index() == 0):
             return _train(config, workdir, wall_start, stop)
     except preemption.StoppedBeforeTraining as e:
-        return _stopped_before_training(e, workdir, created)
+        return startup.stopped_before_training(e, workdir, created)
     except WorkdirBusyError as e:
         raise TrainingError(str(e)) from None
     except BaseException:
-        if created and _nothing_trained(workdir):  # a bad config or corpus: leave no trace
+        if created and startup.nothing_trained(workdir):  # a bad config or corpus: leave no trace
             shutil.rmtree(workdir, ignore_errors=True)
         raise
     finally:
         stop.restore()
 
 
-def _stopped_before_training(
-    e: preemption.StoppedBeforeTraining, workdir: Path, created: bool
-) -> dict[str, float]:
-    """A stop asked for while the run started: nothing to save; a workdir this call
-    created is removed, so that the same command starts afresh."""
-    step = ckpt_lib.steps(workdir)[-1] if workdir.is_dir() and ckpt_lib.steps(workdir) else 0
-    if created and _nothing_trained(workdir):
-        shutil.rmtree(workdir, ignore_errors=True)
-    then = f"resumes from step {step}" if step else "starts afresh"
-    print(
-        f"stopped by {e}: nothing to save. The same command {then}: {preemption.resume_command()}",
-        flush=True,
-    )
-    return {"step": step, "trained_steps": 0, "preempted": 1.0}
-
-
-def _stop_if_asked(stop: preemption.Preemption, phase: str, *, agreed: bool = False) -> None:
-    """Raise StoppedBeforeTraining if a stop was asked for. With several processes only
-    at the ``agreed`` point, where every process asks the chief (the others must not be
-    left waiting in a barrier)."""
-    if jax.process_count() > 1:
-        asked = agreed and distributed.all_agree(stop.requested is not None)
-    else:
-        asked = stop.requested is not None
-    if asked:
-        raise preemption.StoppedBeforeTraining(stop.requested or "a peer's stop", phase)
-
-
-def _nothing_trained(workdir: Path) -> bool:
-    """No checkpoint and no logged step: the run failed before training (its logs of
-    a failure later on are kept)."""
-    metrics = workdir / "metrics.jsonl"
-    logged = metrics.exists() and metrics.stat().st_size > 0
-    return not logged and not ckpt_lib.steps(workdir)
-
-
 def _train(
     config: ExperimentConfig, workdir: Path, wall_start: float, stop: preemption.Preemption
 ) -> dict[str, float]:
-    model_config = config.model
-    _stop_if_asked(stop, "while starting")
-    t, d = config.train, config.data
-    try:
-        par = Parallel(t.parallelism, t.mesh)
-        if par.kind == "jit":
-            check_model(par.mesh, model_config, t.batch_size)
-        par.check_batch_size(t.batch_size)
-    except (MeshError, ValueError) as e:
-        raise TrainingError(str(e)) from None
-    per_device = t.batch_size // jax.local_device_count()
-    if par.kind == "pmap" and per_device % t.concurrent_splits:
-        raise TrainingError(
-            f"train.concurrent_splits={t.concurrent_splits} does not divide the {per_device} "
-            f"rows each device gets (train.batch_size={t.batch_size}); pick a divisor"
-        )
-    if t.batch_size % jax.process_count():
-        raise TrainingError(f"train.batch_size={t.batch_size} must divide among processes")
-    is_chief = jax.process_index() == 0
-    if is_chief:
+    """The paper's recipe: data, model, state (or the checkpoint's), then the steps."""
+    startup.stop_if_asked(stop, "while starting")
+    par = startup.parallelism(config)
+    if jax.process_index() == 0:
         write_config(workdir, config.to_json())
+    data = startup.prepare_data(config, workdir)
+    startup.stop_if_asked(stop, "while preparing the data")
+    return Trainer(config, workdir, par, data, wall_start).run(stop)
 
-    # Process 0 builds the dataset and trains the tokenizer; the others then read them.
-    data = assembly.prepare_data(config, workdir) if is_chief else None
-    distributed.barrier("tokenizer written")
-    if data is None:
-        data = assembly.prepare_data(config, workdir)
-    _stop_if_asked(stop, "while preparing the data")
-    if data.tokenizer.vocab_size != model_config.vocab_size:
-        raise TrainingError(
-            f"the tokenizer in {workdir} has {data.tokenizer.vocab_size} pieces but "
-            f"model.vocab_size={model_config.vocab_size}; use a new --workdir"
-        )
-    st = data.stats["train"]
-    if d.stream:
-        print(
-            f"data: running text in {st.examples} training and {len(data.validation)} "
-            f"validation rows of {d.max_length} tokens ({st.dropped_empty} empty texts skipped)"
-        )
-    else:
-        print(
-            f"data: {st.examples} training pairs ({st.dropped_too_long} over {d.max_length} "
-            f"tokens dropped, {st.truncated} truncated, {st.dropped_empty} empty skipped), "
-            f"{len(data.validation)} validation pairs"
-        )
-    if data.train_pools:  # the count above holds every pool in full
-        draws = " + ".join(f"{n} drawn in turn from {len(p)}" for p, n in data.train_pools)
-        print(f"data: an epoch holds {len(data.train)} fixed pairs + {draws}")
 
-    model = build_model(model_config, d.task)
-    tx, schedule = make_optimizer(config.optimizer, model_config, t.num_steps)
-    par.lay_out(*state_partitioning(model, tx, d.max_length))
-    state = create_train_state(model, tx, t.seed, d.max_length, par.state_shardings)
-    print(
-        f"model: {parameter_count(state.params):,} parameters; {par.num_devices} "
-        f"{jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
-        f"parallelism={par.kind}"
-        + (f", mesh {par.shape} (data x fsdp x model)" if par.kind == "jit" else "")
-    )
-    sampler = data.sampler(t.seed)
-    iterator = pipeline.train_iterator(
-        sampler(0) if sampler else data.train,
-        batch_size=t.batch_size // jax.process_count(),
-        max_length=d.max_length,
-        seed=t.seed,
-        pack=d.pack,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        shards=d.shards,
-        example_ids=t.log_examples,
-        resample=pipeline.SubwordSampler(
-            data.train_texts, data.train, data.tokenizer, d.subword_alpha, d.max_length, t.seed
+class Trainer:
+    """One training command of a run: its state, steps and periodic actions.
+
+    Built from the config and the data (a fresh state, or the newest checkpoint's with
+    the data position and the minutes it had spent); :meth:`run` takes the steps and
+    logs, evaluates, checkpoints and stops when the recipe says.
+    """
+
+    def __init__(self, config, workdir: Path, par: Parallel, data, wall_start: float):
+        c, t, d = config.model, config.train, config.data
+        self.config, self.workdir, self.par, self.data = config, workdir, par, data
+        self.is_chief = jax.process_index() == 0
+        self.model = build_model(c, d.task)
+        tx, schedule = make_optimizer(config.optimizer, c, t.num_steps)
+        par.lay_out(*state_partitioning(self.model, tx, d.max_length))
+        state = create_train_state(self.model, tx, t.seed, d.max_length, par.state_shardings)
+        print(
+            f"model: {parameter_count(state.params):,} parameters; {par.num_devices} "
+            f"{jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
+            f"parallelism={par.kind}"
+            + (f", mesh {par.shape} (data x fsdp x model)" if par.kind == "jit" else "")
         )
-        if data.train_texts is not None
-        else sampler,
-    )
-    checkpoints = ckpt_lib.Checkpoints(
-        workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
-    )
-    spent_before = 0.0  # minutes of training commands behind the restored checkpoint
-    if checkpoints.latest_step() is None and t.embedding_init == "ppmi":
-        state = state.replace(params=_ppmi_embedding_params(config, data.tokenizer, state.params))
-    if checkpoints.latest_step() is not None:
-        state, data_state = checkpoints.restore(state)
+        self.iterator = startup.train_iterator(config, data)
+        self.checkpoints = ckpt_lib.Checkpoints(
+            workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
+        )
+        state, spent_before = self._restore(state)
+        self.start = int(state.step)
+        self.state = par.put_state(state)
+        self.p_train = par.train_step(
+            train_step, model=self.model, tx=tx, schedule=schedule,
+            label_smoothing=t.label_smoothing, pad_id=c.pad_id,
+            grad_accum_steps=config.optimizer.grad_accum_steps,
+            concurrent_splits=t.concurrent_splits, microbatches=t.microbatches,
+        )  # fmt: skip
+        self.p_eval = par.eval_step(
+            eval_step, model=self.model, label_smoothing=t.label_smoothing, pad_id=c.pad_id
+        )
+        eval_batches = pipeline.eval_batches(
+            data.validation, batch_size=t.batch_size, max_length=d.max_length
+        )
+        self.eval_batches = eval_batches[: t.eval_batches] if t.eval_batches else eval_batches
+        self.logger = MetricsLogger(workdir, t.num_steps, enabled=self.is_chief)
+        self.clock = Clock(
+            max_minutes=t.max_minutes, num_steps=t.num_steps, every=t.log_every,
+            cooldown_fraction=config.optimizer.cooldown_fraction, spent_before=spent_before,
+            wall_start=wall_start, say=self.say,
+        )  # fmt: skip
+        self.logger.deadline = self.clock.deadline
+        self.meter = Throughput(flops.train_step_flops(c, t.batch_size, d.max_length,
+                                                       d.max_length, d.task))  # fmt: skip
+        self.skipped = 0
+
+    def _restore(self, state) -> tuple[TrainState, float]:
+        """The newest checkpoint's state and the minutes its run had spent, or the fresh
+        state (with PPMI embeddings if asked for) and 0."""
+        if self.checkpoints.latest_step() is None:
+            if self.config.train.embedding_init == "ppmi":
+                params = startup.ppmi_embedding_params(
+                    self.config, self.data.tokenizer, state.params
+                )
+                state = state.replace(params=params)
+            return state, 0.0
+        state, data_state = self.checkpoints.restore(state)
         if "iterator" in data_state:
             try:
-                iterator.set_state(data_state["iterator"])
+                self.iterator.set_state(data_state["iterator"])
             except (KeyError, ValueError) as e:
                 raise TrainingError(
-                    f"cannot resume the data position of {workdir} ({e}); resume with the "
-                    "data.shards (or, with data.shards=0, the number of processes) it had"
+                    f"cannot resume the data position of {self.workdir} ({e}); resume with "
+                    "the data.shards (or, with data.shards=0, the number of processes) it had"
                 ) from None
-        spent_before = float(data_state.get("train_minutes", 0.0))
-        print(f"resumed from step {int(state.step)} in {workdir}")
-    start = int(state.step)
+        print(f"resumed from step {int(state.step)} in {self.workdir}")
+        return state, float(data_state.get("train_minutes", 0.0))
 
-    p_train = par.train_step(
-        train_step,
-        model=model,
-        tx=tx,
-        schedule=schedule,
-        label_smoothing=t.label_smoothing,
-        pad_id=model_config.pad_id,
-        grad_accum_steps=config.optimizer.grad_accum_steps,
-        concurrent_splits=t.concurrent_splits,
-        microbatches=t.microbatches,
-    )
-    p_eval = par.eval_step(
-        eval_step, model=model, label_smoothing=t.label_smoothing, pad_id=model_config.pad_id
-    )
-    eval_batches = pipeline.eval_batches(
-        data.validation, batch_size=t.batch_size, max_length=d.max_length
-    )
-    if t.eval_batches:
-        eval_batches = eval_batches[: t.eval_batches]
-    step_flops = flops.train_step_flops(
-        model_config, t.batch_size, d.max_length, d.max_length, d.task
-    )
-    # train.max_minutes is the budget of the run, over resumes: a re-run of a finished
-    # budget trains nothing, an interrupted one gets what is left. A new run takes at
-    # least one step, so that it leaves a checkpoint.
-    deadline = wall_start + 60 * (t.max_minutes - spent_before) if t.max_minutes else math.inf
-    first = start + 1
-    if 0 < start < t.num_steps and distributed.all_agree(time.perf_counter() >= deadline):
-        print(
-            f"train.max_minutes={t.max_minutes:g} already spent on this run "
-            f"({spent_before:.1f} min behind step {start}); nothing to train"
+    def say(self, text: str) -> None:
+        if self.is_chief:
+            self.logger.message(text)
+
+    def run(self, stop: preemption.Preemption) -> dict[str, float]:
+        """Steps until ``train.num_steps``, the time budget or a stop; then the summary."""
+        t = self.config.train
+        first = self.start + 1
+        if 0 < self.start < t.num_steps and self.clock.spent_already():
+            print(
+                f"train.max_minutes={t.max_minutes:g} already spent on this run "
+                f"({self.clock.spent_before:.1f} min behind step {self.start}); nothing to train"
+            )
+            first = t.num_steps + 1
+        final: dict[str, float] = {}
+        peer_lost, step, preempted = False, first, False
+        try:
+            startup.stop_if_asked(stop, "while building the model", agreed=True)
+            stop.training = True
+            for step in range(first, t.num_steps + 1):
+                batch = next(self.iterator)
+                example_ids = batch.pop("example_ids", None)
+                self.meter.add(batch["targets"])
+                lr_factor = self.clock.lr_factor(step)
+                self.state, metrics = self.p_train(self.state, self.par.put_batch(batch), lr_factor)
+                if step == first:
+                    distributed.WATCHDOG.start()  # several processes: stop if a peer dies
+                if example_ids is not None:
+                    self.logger.examples(step, example_ids)
+                out_of_time = self.clock.out_of_time(step)
+                preempted = self.clock.agreed(stop.requested is not None, step)
+                last = step == t.num_steps or out_of_time or preempted
+                acted = False
+                if step % t.log_every == 0 or last:
+                    self.log(step, metrics)
+                    acted = True
+                if step % t.eval_every == 0 or (last and not preempted):
+                    final = self.validate(step)
+                    acted = True
+                if step % t.checkpoint_every == 0 or last:
+                    self.save(step, metrics)
+                    acted = True
+                if acted:  # logging, evaluating and saving are not training time
+                    self.meter.reset()
+                if last:
+                    break
+        except jax.errors.JaxRuntimeError as e:
+            if jax.process_count() == 1:
+                raise
+            peer_lost = True
+            raise self._peer_lost(e, step) from None
+        finally:
+            distributed.WATCHDOG.stop()
+            self.iterator.close()
+            if not peer_lost:  # orbax would wait for the lost process
+                self.checkpoints.close()
+            self.logger.close()
+        return self._summary(final, preempted, stop)
+
+    def log(self, step: int, metrics) -> None:
+        m = self.par.metrics_to_host(metrics)
+        _check_finite(m, step, self.checkpoints, self.config.train.log_every)
+        m.update(self.meter.rates())
+        self.logger.write(step, m)
+        if self.is_chief:
+            self.logger.progress(step, m)
+        if m.get("skipped_updates", 0) > self.skipped:
+            self.skipped = int(m["skipped_updates"])
+            self.logger.message(
+                f"spike guard: {self.skipped} update(s) skipped so far (the last at or before "
+                f"step {step}; optimizer.spike_factor={self.config.optimizer.spike_factor:g})"
+            )
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Validation loss (and greedy BLEU) of the evaluated parameters; the best
+        checkpoint keeps them if they are the best so far."""
+        host_state = self.par.unreplicate(self.state)
+        final = _evaluate(self.p_eval, self.par, host_state, self.eval_batches)
+        params = evaluation_params(host_state)
+        bleu = _validation_bleu(self.config, self.model, params, self.data)
+        if bleu is not None:
+            final["bleu"] = bleu
+        self.logger.write(step, final, prefix="validation")
+        self.logger.message(
+            f"validation @ {step}: loss {final['loss']:.4f}, nll {final['nll']:.4f}, "
+            f"perplexity {final['perplexity']:.2f}, accuracy {final['accuracy']:.4f}"
+            + (
+                f", greedy BLEU {bleu:.2f} ({self.config.train.eval_bleu_sentences} sentences)"
+                if bleu is not None
+                else ""
+            )
         )
-        first = t.num_steps + 1
-    logger = MetricsLogger(workdir, t.num_steps, enabled=is_chief, deadline=deadline)
-    cooldown = config.optimizer.cooldown_fraction
-    budget_seconds = 60 * t.max_minutes if t.max_minutes else math.inf
-    cooling = False
-    state = par.put_state(state)
-    final: dict[str, float] = {}
-    window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
-    peer_lost, step, preempted, skipped = False, first, False, 0
-    try:
-        _stop_if_asked(stop, "while building the model", agreed=True)
-        stop.training = True
-        for step in range(first, t.num_steps + 1):
-            batch = next(iterator)
-            example_ids = batch.pop("example_ids", None)
-            # This process's rows, times the processes: every process packs as many rows
-            # of the same length, so the global count differs from this by packing only.
-            window_tokens += int((batch["targets"] != 0).sum()) * jax.process_count()
-            window_steps += 1
-            lr_factor = None
-            if cooldown:
-                lr_factor = distributed.chief_value(
-                    schedules.cooldown_factor(
-                        cooldown,
-                        step,
-                        t.num_steps,
-                        deadline - time.perf_counter(),
-                        budget_seconds,
-                    )
-                )
-                if lr_factor < 1 and not cooling and is_chief:
-                    logger.message(
-                        f"cooldown from step {step}: the learning rate falls linearly to 0 "
-                        f"over the last {cooldown:g} of the run"
-                    )
-                cooling = lr_factor < 1
-            state, metrics = p_train(state, par.put_batch(batch), lr_factor)
-            if step == first:
-                distributed.WATCHDOG.start()  # several processes: stop if a peer dies
-            if example_ids is not None:
-                logger.examples(step, example_ids)
-            # Every process must stop at the same step: the chief's clock decides (checked
-            # at logging steps when there are several processes, to spare a collective).
-            out_of_time = (
-                math.isfinite(deadline)
-                and (jax.process_count() == 1 or step % t.log_every == 0)
-                and distributed.all_agree(time.perf_counter() >= deadline)
-            )
-            preempted = (jax.process_count() == 1 or step % t.log_every == 0) and (
-                distributed.all_agree(stop.requested is not None)
-            )
-            last = step == t.num_steps or out_of_time or preempted
-            if step % t.log_every == 0 or last:
-                m = par.metrics_to_host(metrics)
-                _check_finite(m, step, checkpoints, t.log_every)
-                elapsed = time.perf_counter() - window_start
-                m["tokens_per_sec"] = window_tokens / elapsed
-                m["step_time"] = elapsed / window_steps
-                m["tflops_per_sec"] = step_flops / m["step_time"] / 1e12
-                logger.write(step, m)
-                if is_chief:
-                    logger.progress(step, m)
-                if m.get("skipped_updates", 0) > skipped:
-                    skipped = int(m["skipped_updates"])
-                    logger.message(
-                        f"spike guard: {skipped} update(s) skipped so far (the last at or before "
-                        f"step {step}; optimizer.spike_factor={config.optimizer.spike_factor:g})"
-                    )
-                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
-            if step % t.eval_every == 0 or (last and not preempted):
-                host_state = par.unreplicate(state)
-                final = _evaluate(p_eval, par, host_state, eval_batches)
-                bleu = _validation_bleu(config, model, evaluation_params(host_state), data)
-                if bleu is not None:
-                    final["bleu"] = bleu
-                logger.write(step, final, prefix="validation")
-                logger.message(
-                    f"validation @ {step}: loss {final['loss']:.4f}, nll {final['nll']:.4f}, "
-                    f"perplexity {final['perplexity']:.2f}, accuracy {final['accuracy']:.4f}"
-                    + (
-                        f", greedy BLEU {bleu:.2f} ({config.train.eval_bleu_sentences} sentences)"
-                        if bleu is not None
-                        else ""
-                    )
-                )
-                # The best checkpoint holds the parameters just evaluated (the EMA, if any).
-                evaluated = host_state.replace(params=evaluation_params(host_state))
-                checkpoints.save_best(step, evaluated, final[t.best_metric])
-            if step % t.checkpoint_every == 0 or last:
-                m = par.metrics_to_host(metrics)
-                _check_finite(m, step, checkpoints, t.log_every)
-                spent = spent_before + (time.perf_counter() - wall_start) / 60
-                data_state = {
-                    "iterator": distributed.merged_data_state(iterator.get_state()),
-                    "train_minutes": spent,
-                }
-                checkpoints.save(step, par.unreplicate(state), data_state)
-            if step % t.eval_every == 0 or step % t.checkpoint_every == 0:
-                # Evaluation and saving are not training time.
-                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
-            if last:
-                break
-    except jax.errors.JaxRuntimeError as e:
-        if jax.process_count() == 1:
-            raise
-        peer_lost = True
-        raise distributed.PeerLostError(
+        # The best checkpoint holds the parameters just evaluated (the EMA, if any).
+        evaluated = host_state.replace(params=params)
+        self.checkpoints.save_best(step, evaluated, final[self.config.train.best_metric])
+        return final
+
+    def save(self, step: int, metrics) -> None:
+        m = self.par.metrics_to_host(metrics)
+        _check_finite(m, step, self.checkpoints, self.config.train.log_every)
+        data_state = {
+            "iterator": distributed.merged_data_state(self.iterator.get_state()),
+            "train_minutes": self.clock.minutes(),
+        }
+        self.checkpoints.save(step, self.par.unreplicate(self.state), data_state)
+
+    def _peer_lost(self, e: Exception, step: int) -> distributed.PeerLostError:
+        latest = self.checkpoints.latest_step()
+        return distributed.PeerLostError(
             f"process {jax.process_index()} of {jax.process_count()} lost the others at "
             f"step {step} ({str(e).splitlines()[0][:200]}); the run stopped. Restart every "
             "process with the same command to resume "
             + (
-                f"from the checkpoint of step {checkpoints.latest_step()}"
-                if checkpoints.latest_step() is not None
+                f"from the checkpoint of step {latest}"
+                if latest is not None
                 else "(no checkpoint yet: from the start)"
             )
-        ) from None
-    finally:
-        distributed.WATCHDOG.stop()
-        iterator.close()
-        if not peer_lost:  # orbax would wait for the lost process
-            checkpoints.close()
-        logger.close()
-    stopped = int(par.unreplicate(state).step)
-    if preempted:
-        print(
-            f"stopped by {stop.requested} at step {stopped}: checkpoint saved in {workdir}. "
-            f"Resume with: {preemption.resume_command()}",
-            flush=True,
         )
-        return {"step": stopped, "trained_steps": stopped - start, "preempted": 1.0}
-    if not final:  # nothing left to train: report the checkpoint's validation metrics
-        final = _evaluate(p_eval, par, par.unreplicate(state), eval_batches)
-    minutes = (time.perf_counter() - wall_start) / 60
-    budget = (
-        f" (train.max_minutes={t.max_minutes:g} reached before step {t.num_steps})"
-        if stopped < t.num_steps
-        else ""
-    )
-    print(
-        f"done: step {stopped} ({stopped - start} this run) in {minutes:.1f} min{budget}; "
-        f"validation loss {final['loss']:.4f}, accuracy {final['accuracy']:.4f}, "
-        f"perplexity {final['perplexity']:.2f}; checkpoints in {workdir}"
-    )
-    return {
-        **final,
-        "step": stopped,
-        "trained_steps": stopped - start,
-        "budget_reached": float(stopped < t.num_steps),
-    }
 
-
-def _ppmi_embedding_params(config, tokenizer: Tokenizer, params):
-    """``params`` with every ``[vocab, d_model]`` token embedding table replaced by the
-    PPMI co-occurrence vectors of :func:`~flaxformer_lite.data.assembly.ppmi_table`."""
-    vocab, dim = config.model.vocab_size, config.model.d_model
-    table = assembly.ppmi_table(config, tokenizer)
-    replaced = []
-
-    def replace(path, leaf):
-        if is_token_embedding(path) and leaf.shape == (vocab, dim):
-            replaced.append(jax.tree_util.keystr(path))
-            return jnp.asarray(table, leaf.dtype)
-        return leaf
-
-    params = jax.tree_util.tree_map_with_path(replace, params)
-    print(f"embeddings: PPMI vectors in {', '.join(replaced) or 'no table'}")
-    return params
+    def _summary(self, final: dict, preempted: bool, stop) -> dict[str, float]:
+        t, workdir = self.config.train, self.workdir
+        stopped = int(self.par.unreplicate(self.state).step)
+        if preempted:
+            print(
+                f"stopped by {stop.requested} at step {stopped}: checkpoint saved in "
+                f"{workdir}. Resume with: {preemption.resume_command()}",
+                flush=True,
+            )
+            return {"step": stopped, "trained_steps": stopped - self.start, "preempted": 1.0}
+        if not final:  # nothing left to train: report the checkpoint's validation metrics
+            final = _evaluate(
+                self.p_eval, self.par, self.par.unreplicate(self.state), self.eval_batches
+            )
+        minutes = (time.perf_counter() - self.clock.start) / 60
+        budget = (
+            f" (train.max_minutes={t.max_minutes:g} reached before step {t.num_steps})"
+            if stopped < t.num_steps
+            else ""
+        )
+        print(
+            f"done: step {stopped} ({stopped - self.start} this run) in {minutes:.1f} min"
+            f"{budget}; validation loss {final['loss']:.4f}, accuracy {final['accuracy']:.4f}, "
+            f"perplexity {final['perplexity']:.2f}; checkpoints in {workdir}"
+        )
+        return {
+            **final,
+            "step": stopped,
+            "trained_steps": stopped - self.start,
+            "budget_reached": float(stopped < t.num_steps),
+        }
 
 
 def _validation_bleu(config, model, params, data: assembly.TrainingData) -> float | None:

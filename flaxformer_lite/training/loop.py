@@ -1,0 +1,118 @@
+"""The training loop's clock and throughput meter.
+
+:class:`Clock` keeps the run's time budget (``train.max_minutes``, counted over
+resumes), its cooldown (``optimizer.cooldown_fraction``, by steps or by the clock) and
+the agreement between processes: every process must stop at the same step, so the
+chief's clock and the chief's stop request decide, read by all at agreed steps.
+:class:`Throughput` measures tokens per second over the steps since it was last reset;
+the loop resets it in one place, after any periodic action (logging, evaluation,
+checkpointing), so that neither evaluation nor saving counts as training time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from flaxformer_lite.training import distributed, schedules
+
+
+class Clock:
+    """Deadline, cooldown and cross-process agreement of one training command.
+
+    ``spent_before``: minutes of training behind the restored checkpoint (earlier
+    commands of the same run); ``every``: the steps at which several processes agree
+    (the logging steps, to spare a collective at every step); ``say``: prints a message
+    (the cooldown's start) on the chief.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_minutes: float,
+        num_steps: int,
+        every: int,
+        cooldown_fraction: float,
+        spent_before: float,
+        wall_start: float,
+        say: Callable[[str], None],
+    ):
+        self.start, self.spent_before = wall_start, spent_before
+        self.max_minutes, self.num_steps, self.every = max_minutes, num_steps, every
+        self.cooldown = cooldown_fraction
+        self.deadline = wall_start + 60 * (max_minutes - spent_before) if max_minutes else math.inf
+        self.budget_seconds = 60 * max_minutes if max_minutes else math.inf
+        self.say, self.cooling = say, False
+
+    def agreed(self, flag: bool, step: int) -> bool:
+        """``flag`` as the chief sees it, at every step with one process and at the
+        agreement steps with several (False in between)."""
+        if jax.process_count() > 1 and step % self.every:
+            return False
+        return distributed.all_agree(flag)
+
+    def out_of_time(self, step: int) -> bool:
+        return math.isfinite(self.deadline) and self.agreed(
+            time.perf_counter() >= self.deadline, step
+        )
+
+    def spent_already(self) -> bool:
+        """Whether the budget was used up by the commands before this one."""
+        return distributed.all_agree(time.perf_counter() >= self.deadline)
+
+    def lr_factor(self, step: int) -> float | None:
+        """The learning-rate factor of the cooldown for ``step`` (the chief's, so that
+        every process applies the same update); None without a cooldown."""
+        if not self.cooldown:
+            return None
+        factor = distributed.chief_value(
+            schedules.cooldown_factor(
+                self.cooldown,
+                step,
+                self.num_steps,
+                self.deadline - time.perf_counter(),
+                self.budget_seconds,
+            )
+        )
+        if factor < 1 and not self.cooling:
+            self.say(
+                f"cooldown from step {step}: the learning rate falls linearly to 0 "
+                f"over the last {self.cooldown:g} of the run"
+            )
+        self.cooling = factor < 1
+        return factor
+
+    def minutes(self) -> float:
+        """Minutes of training of the run, this command's included."""
+        return self.spent_before + (time.perf_counter() - self.start) / 60
+
+
+class Throughput:
+    """Target tokens and steps since the last :meth:`reset`, and the rates they give."""
+
+    def __init__(self, step_flops: float):
+        self.step_flops = step_flops
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.steps, self.since = 0, 0, time.perf_counter()
+
+    def add(self, targets: np.ndarray) -> None:
+        """One step of this process's ``targets`` rows, counted for every process: each
+        packs as many rows of the same length, so the global count differs from this by
+        packing only."""
+        self.tokens += int((targets != 0).sum()) * jax.process_count()
+        self.steps += 1
+
+    def rates(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.since
+        step_time = elapsed / max(self.steps, 1)
+        return {
+            "tokens_per_sec": self.tokens / elapsed,
+            "step_time": step_time,
+            "tflops_per_sec": self.step_flops / step_time / 1e12,
+        }

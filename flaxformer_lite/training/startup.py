@@ -1,0 +1,185 @@
+"""Before the first step: the workdir, the devices, the data, and stops asked for meanwhile.
+
+``train_and_evaluate`` checks the workdir (writable, not another model's run), lays
+the devices out (:func:`parallelism`), builds or reads the data (process 0 builds the
+dataset and tokenizer, the others read them: :func:`prepare_data`), and honours a
+SIGTERM or Ctrl-C that arrives meanwhile (:func:`stop_if_asked`): nothing to save, a
+workdir this command created is removed, and the same command starts afresh.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.config.experiment import ExperimentConfig
+from flaxformer_lite.config.mesh import MeshError
+from flaxformer_lite.data import assembly, pipeline
+from flaxformer_lite.data.tokenizer import Tokenizer
+from flaxformer_lite.model.partitioning import check_model
+from flaxformer_lite.training import distributed, preemption
+from flaxformer_lite.training.parallel import Parallel
+from flaxformer_lite.training.state import is_token_embedding
+from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir.folder import read_config
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message names the cause and the fix."""
+
+
+def check_workdir(config, workdir: Path) -> None:
+    """Writable, and holding no other model's run (a clear error, never a shape crash)."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write_test.{jax.process_index()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TrainingError(
+            f"cannot write to --workdir={workdir} ({e.strerror}); choose a writable folder"
+        ) from e
+    previous = read_config(workdir)
+    if previous is None:
+        return
+    previous, current = previous.to_dict(), config.to_dict()
+    for section in ("model", "data"):
+        old, new = previous.get(section, {}), current.get(section, {})
+        differ = sorted(
+            k for k in set(old) | set(new) if k != "data_dir" and old.get(k) != new.get(k)
+        )
+        if differ:
+            details = ", ".join(f"{section}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ)
+            raise TrainingError(
+                f"--workdir={workdir} holds a run of a different {section} ({details}); "
+                "use a new --workdir, or the config that run was trained with"
+            )
+
+
+def stopped_before_training(
+    e: preemption.StoppedBeforeTraining, workdir: Path, created: bool
+) -> dict[str, float]:
+    """A stop asked for while the run started: nothing to save; a workdir this call
+    created is removed, so that the same command starts afresh."""
+    step = ckpt_lib.steps(workdir)[-1] if workdir.is_dir() and ckpt_lib.steps(workdir) else 0
+    if created and nothing_trained(workdir):
+        shutil.rmtree(workdir, ignore_errors=True)
+    then = f"resumes from step {step}" if step else "starts afresh"
+    print(
+        f"stopped by {e}: nothing to save. The same command {then}: {preemption.resume_command()}",
+        flush=True,
+    )
+    return {"step": step, "trained_steps": 0, "preempted": 1.0}
+
+
+def stop_if_asked(stop: preemption.Preemption, phase: str, *, agreed: bool = False) -> None:
+    """Raise StoppedBeforeTraining if a stop was asked for. With several processes only
+    at the ``agreed`` point, where every process asks the chief (the others must not be
+    left waiting in a barrier)."""
+    if jax.process_count() > 1:
+        asked = agreed and distributed.all_agree(stop.requested is not None)
+    else:
+        asked = stop.requested is not None
+    if asked:
+        raise preemption.StoppedBeforeTraining(stop.requested or "a peer's stop", phase)
+
+
+def nothing_trained(workdir: Path) -> bool:
+    """No checkpoint and no logged step: the run failed before training (its logs of
+    a failure later on are kept)."""
+    metrics = workdir / "metrics.jsonl"
+    logged = metrics.exists() and metrics.stat().st_size > 0
+    return not logged and not ckpt_lib.steps(workdir)
+
+
+def parallelism(config: ExperimentConfig) -> Parallel:
+    """jit over the mesh (or pmap), checked against the model and the batch."""
+    t = config.train
+    try:
+        par = Parallel(t.parallelism, t.mesh)
+        if par.kind == "jit":
+            check_model(par.mesh, config.model, t.batch_size)
+        par.check_batch_size(t.batch_size, t.concurrent_splits)
+    except (MeshError, ValueError) as e:
+        raise TrainingError(str(e)) from None
+    if t.batch_size % jax.process_count():
+        raise TrainingError(f"train.batch_size={t.batch_size} must divide among processes")
+    return par
+
+
+def prepare_data(config: ExperimentConfig, workdir: Path) -> assembly.TrainingData:
+    """Process 0 builds the dataset and trains the tokenizer; the others then read them."""
+    data = assembly.prepare_data(config, workdir) if jax.process_index() == 0 else None
+    distributed.barrier("tokenizer written")
+    if data is None:
+        data = assembly.prepare_data(config, workdir)
+    if data.tokenizer.vocab_size != config.model.vocab_size:
+        raise TrainingError(
+            f"the tokenizer in {workdir} has {data.tokenizer.vocab_size} pieces but "
+            f"model.vocab_size={config.model.vocab_size}; use a new --workdir"
+        )
+    d, st = config.data, data.stats["train"]
+    if st.examples == 0 and st.dropped_too_long:
+        raise TrainingError(
+            f"data.max_length={d.max_length} drops every training pair (all "
+            f"{st.dropped_too_long} are longer in pieces, EOS included); raise "
+            "data.max_length or set data.too_long=truncate"
+        )
+    if d.stream:
+        print(
+            f"data: running text in {st.examples} training and {len(data.validation)} "
+            f"validation rows of {d.max_length} tokens ({st.dropped_empty} empty texts skipped)"
+        )
+    else:
+        print(
+            f"data: {st.examples} training pairs ({st.dropped_too_long} over {d.max_length} "
+            f"tokens dropped, {st.truncated} truncated, {st.dropped_empty} empty skipped), "
+            f"{len(data.validation)} validation pairs"
+        )
+    if data.train_pools:  # the count above holds every pool in full
+        draws = " + ".join(f"{n} drawn in turn from {len(p)}" for p, n in data.train_pools)
+        print(f"data: an epoch holds {len(data.train)} fixed pairs + {draws}")
+    return data
+
+
+def train_iterator(config: ExperimentConfig, data: assembly.TrainingData):
+    t, d = config.train, config.data
+    sampler = data.sampler(t.seed)
+    resample = sampler
+    if data.train_texts is not None:
+        resample = pipeline.SubwordSampler(
+            data.train_texts, data.train, data.tokenizer, d.subword_alpha, d.max_length, t.seed
+        )
+    return pipeline.train_iterator(
+        sampler(0) if sampler else data.train,
+        batch_size=t.batch_size // jax.process_count(),
+        max_length=d.max_length,
+        seed=t.seed,
+        pack=d.pack,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        shards=d.shards,
+        example_ids=t.log_examples,
+        resample=resample,
+    )
+
+
+def ppmi_embedding_params(config, tokenizer: Tokenizer, params):
+    """``params`` with every ``[vocab, d_model]`` token embedding table replaced by the
+    PPMI co-occurrence vectors of :func:`~flaxformer_lite.data.assembly.ppmi_table`."""
+    vocab, dim = config.model.vocab_size, config.model.d_model
+    table = assembly.ppmi_table(config, tokenizer)
+    replaced = []
+
+    def replace(path, leaf):
+        if is_token_embedding(path) and leaf.shape == (vocab, dim):
+            replaced.append(jax.tree_util.keystr(path))
+            return jnp.asarray(table, leaf.dtype)
+        return leaf
+
+    params = jax.tree_util.tree_map_with_path(replace, params)
+    print(f"embeddings: PPMI vectors in {', '.join(replaced) or 'no table'}")
+    return params
