@@ -401,18 +401,25 @@ def _unknown_field(name: str, argv: list[str]) -> str:
     from flaxformer_lite.config.experiment import SECTIONS
     from flaxformer_lite.config.model import ModelConfig
 
-    given = next(
-        (a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")
-         and a.split("=")[0].endswith(f".{name}")),
-        name,
-    )  # fmt: skip
+    paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
+    given = next((p for p in paths if name in p.split(".")), name)
     section = given.partition(".")[0] if "." in given else ""
     kinds = {"model": ModelConfig, **SECTIONS}
+    if section == name or section not in kinds:  # the section itself is unknown
+        close = difflib.get_close_matches(section or name, list(kinds), n=1)
+        return (
+            f"unknown config section {section or name!r} in {given!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; sections are {', '.join(kinds)} (`python -m flaxformer_lite.main fields`)"
+        )
     known = [f.name for f in dataclasses.fields(kinds[section])] if section in kinds else []
-    words = set(name.split("_"))
-    alike = [k for k in known if words & set(k.split("_"))]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)  # a typo
+    words = {w for w in name.split("_") if len(w) > 2}
+    alike = [k for k in known if words & set(k.split("_"))]  # another word for one field
     alike = alike or difflib.get_close_matches(name, known, n=3)
-    hint = f"; {section}'s fields like it: {', '.join(alike)}" if alike else ""
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if alike and not close:
+        hint = f"; {section}'s fields like it: {', '.join(alike)}"
     return (
         f"unknown config field {given!r}{hint} "
         "(`python -m flaxformer_lite.main fields` lists every field)"

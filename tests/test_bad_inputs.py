@@ -26,7 +26,22 @@ SPARSE = ["--config.model.attention_dropout=0"]  # what the sparse and fused ker
 # folder, {tmp} a scratch folder holding the files the corpus and workdir cases use.
 CASES = [
     # Config overrides.
-    ("unknown field", ["--config.model.d_modle=3"], ["'d_modle'", "did you mean 'd_model'"]),
+    ("unknown field", ["--config.model.d_modle=3"], ["'model.d_modle'", "did you mean 'd_model'"]),
+    (
+        "another word for a field",
+        ["--config.model.dropout_rate=1.5"],
+        ["'model.dropout_rate'", "residual_dropout", "attention_dropout"],
+    ),  # fmt: skip
+    # A field's own fault is named before a rule that combines it with others (the
+    # config keeps attention_dropout=0.1, which sparse patterns refuse).
+    ("bad pattern name", ["--config.model.attention_pattern=nope"], ["'nope'", "known: full"]),
+    ("zero window", ["--config.model.attention_pattern=local:window=0"], ["window=0"]),
+    (
+        "bad global part",
+        ["--config.model.attention_pattern=local:window=8+global:first=-1"],
+        ["global:first=-1"],
+    ),  # fmt: skip
+    ("rows of one token", ["--config.data.max_length=1"], ["max_length=1", "EOS"]),
     ("unknown section", ["--config.modle.d_model=3"], ["'modle'", "fields"]),
     ("wrong type", ["--config.model.num_heads=many"], ["num_heads", "many"]),
     ("float for int", ["--config.model.d_model=32.5"], ["d_model", "32.5"]),
@@ -103,6 +118,11 @@ CASES = [
     ),  # fmt: skip
     ("unknown split", ["evaluate", "--workdir={run}", "--split=dev9"], ["dev9"]),
     ("average of none", ["average", "--workdir={run}", "--num=0"], ["--num=0"]),
+    (
+        "another command's flag",
+        ["average", "--workdir={run}", "--beam_size=3"],
+        ["--beam_size", "not of average"],
+    ),  # fmt: skip
     (
         "ensemble step not kept",
         ["translate", "--workdir={run}", "--ensemble=@999", "x"],

@@ -12,10 +12,9 @@ from flaxformer_lite.config.experiment import (
     SECTIONS,
     ExperimentConfig,
     Split,
-    base_config,
-    field_table,
     validate_experiment,
 )
+from flaxformer_lite.config.files import base_config, field_table
 from flaxformer_lite.config.model import ConfigError, ModelConfig
 from flaxformer_lite.training.train import train_and_evaluate
 from tests.fixtures import ROOT, load_config
