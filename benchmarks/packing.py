@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import grain  # noqa: E402
 from grain import experimental as grain_exp  # noqa: E402
 
-from flaxformer_lite.data import pipeline, sources  # noqa: E402
+from flaxformer_lite.data import packing, pipeline, sources  # noqa: E402
 from flaxformer_lite.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 BATCH, LENGTH, VOCAB = 32, 64, 8000
@@ -119,7 +119,7 @@ def main() -> None:
     examples = _examples(args.data_dir)
     shape = dict(batch_size=BATCH, max_length=LENGTH, seed=0)
     packers = {
-        "hand-written": lambda: pipeline.train_iterator(examples, prefetch=0, **shape),
+        "hand-written": lambda: packing.train_iterator(examples, prefetch=0, **shape),
         "grain": lambda: grain_packed(examples, **shape),
     }
     iterators = [make() for make in packers.values()]

@@ -46,7 +46,7 @@ from common import BASE_LIKE, TINY  # noqa: E402
 
 from flaxformer_lite.config.experiment import OptimizerConfig  # noqa: E402
 from flaxformer_lite.config.model import ModelConfig  # noqa: E402
-from flaxformer_lite.data import pipeline, sources  # noqa: E402
+from flaxformer_lite.data import packing, pipeline, sources  # noqa: E402
 from flaxformer_lite.model.transformer import Transformer  # noqa: E402
 from flaxformer_lite.training import flops, steps  # noqa: E402
 from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
@@ -150,7 +150,7 @@ def real_vs_synthetic(n: int, data_dir: str) -> dict:
         else train_tokenizer((s for p in pairs for s in p), tok_path, TINY.vocab_size)
     )
     examples, _ = pipeline.tokenize_pairs(pairs, tokenizer, LENGTH)
-    iterator = pipeline.train_iterator(examples, batch_size=BATCH, max_length=LENGTH, seed=0)
+    iterator = packing.train_iterator(examples, batch_size=BATCH, max_length=LENGTH, seed=0)
     runner = ours(TINY, SPLITS)
     synthetic = pipeline.synthetic_batch(BATCH, LENGTH, TINY.vocab_size)
     runner.run([lambda: synthetic] * 2)

@@ -24,6 +24,9 @@ resumes) a cross product of config overrides times seeds, one run folder each,
 and tabulates them (see :mod:`flaxformer_lite.sweep`); ``fields`` lists every
 config field with its type, default and meaning. Decoding flags left out take
 the run's ``decode`` section.
+
+Above 400 lines on purpose: the eight commands' flags are declared here, once each,
+so that ``--helpfull`` lists them all and a command refuses another command's flags.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import tensorflow_datasets as tfds
 
 from flaxformer_lite import Transformer
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.data import builders, pipeline, prepare, sources
+from flaxformer_lite.data import builders, packing, pipeline, prepare, sources
 from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer
 from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.training import losses
@@ -134,7 +134,7 @@ def _examples(n=60, seed=0):
 def test_epoch_plan_uses_every_example_once_and_fits():
     exs = _examples(200)
     lengths = np.array([[len(e["inputs"]), len(e["targets"])] for e in exs])
-    plan = pipeline.plan_epoch(lengths, np.random.default_rng(0).permutation(200), 8, 24)
+    plan = packing.plan_epoch(lengths, np.random.default_rng(0).permutation(200), 8, 24)
     seen = sorted(i for batch in plan for row in batch for i in row)
     assert seen == list(range(200))
     for batch in plan:
@@ -145,7 +145,7 @@ def test_epoch_plan_uses_every_example_once_and_fits():
 
 def test_packed_batch_layout():
     exs = _examples(40)
-    it = pipeline.train_iterator(exs, batch_size=4, max_length=24, seed=1, prefetch=0)
+    it = packing.train_iterator(exs, batch_size=4, max_length=24, seed=1, prefetch=0)
     b = next(it)
     for key in ("inputs", "targets"):
         seg, pos, tok = b[f"{key}_segment_ids"], b[f"{key}_positions"], b[key]
@@ -159,13 +159,13 @@ def test_packed_batch_layout():
 
 def test_resume_replays_the_same_batches():
     exs = _examples(50)
-    it = pipeline.train_iterator(exs, batch_size=4, max_length=24, seed=3)
+    it = packing.train_iterator(exs, batch_size=4, max_length=24, seed=3)
     for _ in range(7):  # crosses an epoch boundary
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(3)]
     it.close()
-    again = pipeline.train_iterator(exs, batch_size=4, max_length=24, seed=3)
+    again = packing.train_iterator(exs, batch_size=4, max_length=24, seed=3)
     again.set_state(state)
     for want in expected:
         got = next(again)
@@ -175,10 +175,10 @@ def test_resume_replays_the_same_batches():
 
 def test_epochs_reshuffle_and_processes_are_disjoint():
     exs = _examples(64)
-    ds = pipeline.PackedTrainDataset(exs, batch_size=4, max_length=24, seed=0, pack=True)
+    ds = packing.PackedTrainDataset(exs, batch_size=4, max_length=24, seed=0, pack=True)
     assert ds.plan(0) != ds.plan(1)
     shards = [
-        pipeline.train_iterator(
+        packing.train_iterator(
             exs, batch_size=2, max_length=24, seed=0, prefetch=0, process_index=i, process_count=2
         )
         for i in range(2)
@@ -186,7 +186,7 @@ def test_epochs_reshuffle_and_processes_are_disjoint():
     ids = [{tuple(r) for r in next(s)["inputs"]} for s in shards]
     assert not ids[0] & ids[1]
     with pytest.raises(ValueError, match="cannot fill its 4 rows of a batch"):
-        pipeline.train_iterator(exs[:3], batch_size=4, max_length=24, seed=0)
+        packing.train_iterator(exs[:3], batch_size=4, max_length=24, seed=0)
 
 
 def test_subset_sampler_draws_each_pool_in_turn():
@@ -211,13 +211,13 @@ def test_subset_sampler_draws_each_pool_in_turn():
         pipeline.SubsetSampler(fixed, [(pool, 11)], seed=0)
     # Packed batches over the draws resume exactly.
     kw = dict(batch_size=2, max_length=8, seed=3, resample=sampler)
-    it = pipeline.train_iterator(sampler(0), **kw)
+    it = packing.train_iterator(sampler(0), **kw)
     for _ in range(7):
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(6)]
     it.close()
-    again = pipeline.train_iterator(sampler(0), **kw)
+    again = packing.train_iterator(sampler(0), **kw)
     again.set_state(state)
     for want in expected:
         got = next(again)
@@ -283,7 +283,7 @@ def test_subword_sampling_is_the_same_when_threads_sample_at_once(tokenizer):
 def test_subword_sampled_batches_resume_exactly(tokenizer):
     texts, best, sampler = _sampler(tokenizer)
     kw = dict(batch_size=2, max_length=32, seed=3, resample=sampler)
-    it = pipeline.train_iterator(best, **kw)
+    it = packing.train_iterator(best, **kw)
     first = next(it)
     firsts = [first] + [next(it) for _ in range(3)]
     seen = set()
@@ -296,7 +296,7 @@ def test_subword_sampled_batches_resume_exactly(tokenizer):
     state = it.get_state()
     expected = [next(it) for _ in range(4)]
     it.close()
-    again = pipeline.train_iterator(best, **kw)
+    again = packing.train_iterator(best, **kw)
     again.set_state(state)
     for want in expected:
         got = next(again)
@@ -304,7 +304,7 @@ def test_subword_sampled_batches_resume_exactly(tokenizer):
     again.close()
     # Sampled segmentations differ from the best ones (over four batches: a short
     # sentence may sample its best segmentation, and one batch has only a few).
-    plain = pipeline.train_iterator(best, **{**kw, "resample": None})
+    plain = packing.train_iterator(best, **{**kw, "resample": None})
     plains = [next(plain) for _ in range(4)]
     assert not all(
         np.array_equal(a["targets"], b["targets"]) for a, b in zip(plains, firsts, strict=True)
@@ -325,7 +325,7 @@ def test_packed_loss_equals_padded_loss():
     )
     model = Transformer(c)
     exs = _examples(12, seed=5)
-    packed = pipeline.PackedTrainDataset(exs, batch_size=3, max_length=32, seed=0, pack=True)
+    packed = packing.PackedTrainDataset(exs, batch_size=3, max_length=32, seed=0, pack=True)
     rows = packed.plan(0)[0]
     members = [exs[i] for row in rows for i in row]
     packed_batch = packed.materialize(rows)
@@ -361,7 +361,7 @@ def test_single_feature_packing_for_language_models(tokenizer):
     texts = [("This is sentence number 1.",), ("This is sentence number 22.",), ("",)]
     exs, stats = pipeline.tokenize_pairs(texts, tokenizer, max_length=64)
     assert stats.dropped_empty == 1 and set(exs[0]) == {"targets"}
-    ds = pipeline.PackedTrainDataset(exs * 4, batch_size=2, max_length=64, seed=0, pack=True)
+    ds = packing.PackedTrainDataset(exs * 4, batch_size=2, max_length=64, seed=0, pack=True)
     batch = ds.materialize(ds.plan(0)[0])
     assert set(batch) == {"targets", "targets_segment_ids", "targets_positions"}
     assert batch["targets_segment_ids"].max() >= 2  # several texts share a row

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.data import pipeline
+from flaxformer_lite.data import packing
 from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training.state import create_train_state, make_optimizer
 from flaxformer_lite.training.steps import train_step
@@ -33,7 +33,7 @@ def _batches(n, batch_size=16, seed=0):
         }
         for i in range(300)
     ]
-    it = pipeline.train_iterator(
+    it = packing.train_iterator(
         examples, batch_size=batch_size, max_length=16, seed=seed, prefetch=0
     )
     return [next(it) for _ in range(n)]

@@ -1,4 +1,4 @@
-"""run.py: a workdir read without training/: the parameter average found in any
+"""inference/run.py: a workdir read without training/: the parameter average found in any
 optimizer layout, checkpoint kinds and steps, and the errors of a folder that is no run."""
 
 import jax

@@ -17,7 +17,7 @@ from flaxformer_lite.config import mesh as mesh_spec
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.mesh import MeshError
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.data import pipeline
+from flaxformer_lite.data import packing
 from flaxformer_lite.model import partitioning
 from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training.parallel import Parallel
@@ -65,7 +65,7 @@ def _setup(mesh: str, devices=None):
         }
         for i in range(200)
     ]
-    it = pipeline.train_iterator(examples, batch_size=16, max_length=16, seed=0, prefetch=0)
+    it = packing.train_iterator(examples, batch_size=16, max_length=16, seed=0, prefetch=0)
     return par, step, state, [next(it) for _ in range(5)]
 
 

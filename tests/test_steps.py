@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.data import pipeline
+from flaxformer_lite.data import packing
 from flaxformer_lite.model.transformer import Transformer
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.parallel import Parallel
@@ -82,7 +82,7 @@ def _tiny_setup(batch_size=8, cooldown_fraction=0.0):
         }
         for i in range(64)
     ]
-    it = pipeline.train_iterator(exs, batch_size=batch_size, max_length=16, seed=0, prefetch=0)
+    it = packing.train_iterator(exs, batch_size=batch_size, max_length=16, seed=0, prefetch=0)
     batches = [next(it) for _ in range(3)]
     step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, label_smoothing=0.1)
     return state, batches, step

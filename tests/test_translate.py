@@ -43,15 +43,16 @@ def test_translate_returns_strings_in_order(run):
 def test_bad_input_messages(run, monkeypatch):
     workdir, _ = run
     t = Translator.from_workdir(workdir)
-    with pytest.raises(TranslateError, match="beam_size=0 must be an integer >= 1"):
+    # Decoding options are the decode section's fields, checked as the config is.
+    with pytest.raises(ConfigError, match="decode.beam_size=0 must be > 0"):
         t.translate(["a b c"], beam_size=0)
-    with pytest.raises(TranslateError, match="alpha=-1 must be >= 0"):
+    with pytest.raises(ConfigError, match="decode.alpha=-1 must be >= 0"):
         t.translate(["a b c"], alpha=-1)
-    with pytest.raises(TranslateError, match="no_repeat_ngram=-2 must be an integer >= 0"):
+    with pytest.raises(ConfigError, match="decode.no_repeat_ngram=-2 must be >= 0"):
         t.translate(["a b c"], no_repeat_ngram=-2)
-    with pytest.raises(TranslateError, match="min_length_ratio=-0.5 must be a number >= 0"):
+    with pytest.raises(ConfigError, match="decode.min_length_ratio=-0.5 must be >= 0"):
         t.translate(["a b c"], min_length_ratio=-0.5)
-    with pytest.raises(TranslateError, match="min_length_ratio=2 exceeds max_length_ratio=1"):
+    with pytest.raises(ConfigError, match="min_length_ratio=2 exceeds max_length_ratio=1"):
         t.translate(["a b c"], min_length_ratio=2, max_length_ratio=1)
     # Length bounds tied to the source: the search gets floor(0.5 n) and ceil(1.5 n) + 5
     # for a source of n pieces (their effect on the search: tests/test_decoding.py).

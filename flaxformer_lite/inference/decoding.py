@@ -17,6 +17,9 @@ Ensembles: ``params`` may be a tuple of parameter trees of the same model (say,
 two seeds, or checkpoints of one run). Every member keeps its own encoding and
 cache, and the search scores the mean of the members' next-token
 probabilities, log(1/n sum_m p_m), in place of one model's log-probabilities.
+
+Above 400 lines on purpose: greedy, sampling and beam search share one stepper, its
+cache handling and the ensemble mean; split apart, each would repeat them.
 """
 
 from __future__ import annotations
@@ -335,18 +338,7 @@ def beam_search(
         )
         logits, cache = stepper(cache, last.reshape(b * k, 1), encoded)
         logp = jax.nn.log_softmax(logits).reshape(b, k, v)
-        eos_logp = logp[..., eos_id : eos_id + 1]  # before any ban
-        if no_repeat_ngram > 0:
-            banned = repeated_ngram_mask(live_seqs, i, no_repeat_ngram, v)
-            logp = jnp.where(banned, NEG_INF, logp)
-        if min_lengths is not None:
-            too_short = (i < min_lengths)[:, None]
-            logp = logp.at[..., eos_id].set(jnp.where(too_short, NEG_INF, logp[..., eos_id]))
-        if max_lengths is not None:
-            at_limit = (i >= max_lengths)[:, None, None]
-            only_eos = jnp.arange(v) == eos_id
-            # A forced EOS costs what the model gives it, even where an n-gram ban hit it.
-            logp = jnp.where(at_limit, jnp.where(only_eos, eos_logp, NEG_INF), logp)
+        logp = _constrain(logp, live_seqs, i, eos_id, no_repeat_ngram, min_lengths, max_lengths)
         cand = (live_logp[..., None] + logp).reshape(b, k * v)
         top_logp, top_idx = lax.top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
         beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
@@ -390,6 +382,25 @@ def beam_search(
     all_seqs = jnp.concatenate([fin_seqs, live_seqs], axis=1)
     scores, keep = lax.top_k(all_scores, k)
     return jnp.take_along_axis(all_seqs, keep[..., None], axis=1), scores
+
+
+def _constrain(logp, seqs, i, eos_id, no_repeat_ngram, min_lengths, max_lengths):
+    """``logp [b, k, v]`` of step ``i`` under the search's rules: no repeated n-gram,
+    no EOS before a row's minimum length, only EOS at its maximum."""
+    v = logp.shape[-1]
+    eos_logp = logp[..., eos_id : eos_id + 1]  # before any ban
+    if no_repeat_ngram > 0:
+        banned = repeated_ngram_mask(seqs, i, no_repeat_ngram, v)
+        logp = jnp.where(banned, NEG_INF, logp)
+    if min_lengths is not None:
+        too_short = (i < min_lengths)[:, None]
+        logp = logp.at[..., eos_id].set(jnp.where(too_short, NEG_INF, logp[..., eos_id]))
+    if max_lengths is not None:
+        at_limit = (i >= max_lengths)[:, None, None]
+        only_eos = jnp.arange(v) == eos_id
+        # A forced EOS costs what the model gives it, even where an n-gram ban hit it.
+        logp = jnp.where(at_limit, jnp.where(only_eos, eos_logp, NEG_INF), logp)
+    return logp
 
 
 def strip(ids, eos_id: int) -> list[list[int]]:

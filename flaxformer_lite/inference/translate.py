@@ -229,31 +229,12 @@ class Translator:
             raise TranslateError("translate() takes a list of sentences, not one string")
         if isinstance(self.model, LanguageModel):
             raise TranslateError("this workdir holds a language model; use generate()")
-        d = self.decode
-        beam_size = d.beam_size if beam_size is None else beam_size
-        alpha = d.alpha if alpha is None else alpha
-        no_repeat_ngram = d.no_repeat_ngram if no_repeat_ngram is None else no_repeat_ngram
-        min_length_ratio = d.min_length_ratio if min_length_ratio is None else min_length_ratio
-        max_length_ratio = d.max_length_ratio if max_length_ratio is None else max_length_ratio
-        if not isinstance(beam_size, int) or beam_size < 1:
-            raise TranslateError(f"beam_size={beam_size!r} must be an integer >= 1")
-        if not alpha >= 0:
-            raise TranslateError(f"alpha={alpha!r} must be >= 0 (the paper uses 0.6)")
-        if not isinstance(no_repeat_ngram, int) or no_repeat_ngram < 0:
-            raise TranslateError(
-                f"no_repeat_ngram={no_repeat_ngram!r} must be an integer >= 0 (0 = off)"
-            )
-        for name, value in (
-            ("min_length_ratio", min_length_ratio),
-            ("max_length_ratio", max_length_ratio),
-        ):
-            if not (isinstance(value, int | float) and 0 <= value < 100):
-                raise TranslateError(f"{name}={value!r} must be a number >= 0 (0 = off)")
-        if max_length_ratio and min_length_ratio > max_length_ratio:
-            raise TranslateError(
-                f"min_length_ratio={min_length_ratio} exceeds max_length_ratio={max_length_ratio}"
-            )
-        bounded = bool(min_length_ratio or max_length_ratio)
+        given = dict(
+            beam_size=beam_size, alpha=alpha, no_repeat_ngram=no_repeat_ngram,
+            min_length_ratio=min_length_ratio, max_length_ratio=max_length_ratio,
+        )  # fmt: skip
+        # The run's decode section with the options given: checked as the config is.
+        d = self.decode.replace(**{k: v for k, v in given.items() if v is not None})
         results = [""] * len(sentences)
         todo = [i for i, s in enumerate(sentences) if isinstance(s, str) and one_line(s).strip()]
         if len(todo) < len(sentences):
@@ -261,56 +242,47 @@ class Translator:
             if bad:
                 raise TranslateError(f"sentence {bad[0]} is not a string")
             blank = [i for i, s in enumerate(sentences) if not one_line(s).strip()]
-        if len(todo) < len(sentences) and report is not None:
-            report["empty"] += len(blank)
-        elif len(todo) < len(sentences):
-            warnings.warn(
-                f"{len(blank)} of {len(sentences)} sentences are empty or blank (the first is "
-                f"sentence {blank[0]}); each translates to '' so the outputs stay in line",
-                stacklevel=2,
-            )
-        encoded = self._encode([sentences[i] for i in todo], report)
-        c = self.config
-        for idx, rows, longest in self._batches(encoded):
-            limit = max_length or min(longest + d.max_extra, c.max_len)
-            bounds = {}
-            if bounded:
-                # Source pieces, EOS excluded; padding rows get no bounds.
-                n = np.asarray([len(encoded[i]) - 1 for i in idx] + [0] * (len(rows) - len(idx)))
-                if min_length_ratio:
-                    bounds["min_lengths"] = jnp.asarray(
-                        np.minimum(np.floor(min_length_ratio * n), limit - 1), jnp.int32
-                    )
-                if max_length_ratio:
-                    bounds["max_lengths"] = jnp.asarray(
-                        np.ceil(max_length_ratio * n) + 5, jnp.int32
-                    )
-            if beam_size == 1 and not no_repeat_ngram and not bounded:
-                ids = decoding.sample(
-                    self.model,
-                    self.params,
-                    jnp.asarray(rows),
-                    max_length=limit,
-                    eos_id=c.eos_id,
-                    bos_id=c.bos_id,
-                )
+            if report is not None:
+                report["empty"] += len(blank)
             else:
-                ids, _ = decoding.beam_search(
-                    self.model,
-                    self.params,
-                    jnp.asarray(rows),
-                    beam_size=beam_size,
-                    alpha=float(alpha),
-                    max_length=limit,
-                    eos_id=c.eos_id,
-                    bos_id=c.bos_id,
-                    no_repeat_ngram=no_repeat_ngram,
-                    **bounds,
+                warnings.warn(
+                    f"{len(blank)} of {len(sentences)} sentences are empty or blank (the "
+                    f"first is sentence {blank[0]}); each translates to '' so the outputs "
+                    "stay in line",
+                    stacklevel=2,
                 )
-                ids = ids[:, 0]
-            for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
+        encoded = self._encode([sentences[i] for i in todo], report)
+        for idx, rows, longest in self._batches(encoded):
+            limit = max_length or min(longest + d.max_extra, self.config.max_len)
+            ids = self._decode_rows(rows, [len(encoded[i]) - 1 for i in idx], limit, d)
+            for r, tokens in zip(idx, decoding.strip(ids, self.config.eos_id), strict=False):
                 results[todo[r]] = self.tokenizer.decode(tokens)
         return results
+
+    def _decode_rows(self, rows: np.ndarray, lengths: list[int], limit: int, d) -> np.ndarray:
+        """The best output ids of a batch of source ``rows`` (``lengths``: source pieces
+        of the real rows, EOS excluded) under the decode settings ``d``."""
+        c = self.config
+        bounds = {}
+        # Source pieces of every row (padding rows 0, so they get no bounds).
+        n = np.asarray(lengths + [0] * (len(rows) - len(lengths)))
+        if d.min_length_ratio:
+            bounds["min_lengths"] = jnp.asarray(
+                np.minimum(np.floor(d.min_length_ratio * n), limit - 1), jnp.int32
+            )
+        if d.max_length_ratio:
+            bounds["max_lengths"] = jnp.asarray(np.ceil(d.max_length_ratio * n) + 5, jnp.int32)
+        if d.beam_size == 1 and not d.no_repeat_ngram and not bounds:
+            return decoding.sample(
+                self.model, self.params, jnp.asarray(rows), max_length=limit,
+                eos_id=c.eos_id, bos_id=c.bos_id,
+            )  # fmt: skip
+        ids, _ = decoding.beam_search(
+            self.model, self.params, jnp.asarray(rows), beam_size=d.beam_size,
+            alpha=float(d.alpha), max_length=limit, eos_id=c.eos_id, bos_id=c.bos_id,
+            no_repeat_ngram=d.no_repeat_ngram, **bounds,
+        )  # fmt: skip
+        return ids[:, 0]
 
     # Generating (decoder-only LM) ------------------------------------------------------------
     def generate(

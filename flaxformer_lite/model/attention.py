@@ -227,7 +227,7 @@ def attention_weights(
 
 
 def dropout_weights(weights: Array, rate: float, rng: Array | None, bits: int = 32) -> Array:
-    """Inverted dropout on attention weights (``bits``: see components/dropout.py)."""
+    """Inverted dropout on attention weights (``bits``: see model/dropout.py)."""
     if rate <= 0.0:
         return weights
     if rng is None:

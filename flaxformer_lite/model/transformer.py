@@ -11,6 +11,10 @@ runs ``encode`` once, then calls ``decode`` with the encoder output on the
 first step (this stores each layer's cross-attention keys/values) and with
 ``encoded=None`` afterwards; each call feeds the previous output tokens
 (no shift) and returns logits for the next ones.
+
+Above 400 lines on purpose: this file is Figure 1 of the paper, the encoder and
+decoder layers, their stacks and the model sharing one sublayer wiring (residual,
+dropout, LayerNorm before or after).
 """
 
 from __future__ import annotations

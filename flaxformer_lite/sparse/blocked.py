@@ -4,7 +4,7 @@
 
     out_i = sum_{j in S_i} softmax_j(q_i . k_j / sqrt(d)) v_j,   S_i = {j : pattern allows (i, j)}
 
-from the pattern's cover (:class:`~flaxformer_lite.sparse.patterns.Plans`). Each
+from the pattern's cover (:class:`~flaxformer_lite.sparse.plans.Plans`). Each
 part of the cover yields a partial softmax (running max ``m``, sum ``l`` and
 unnormalised output ``o`` per query), and the parts are merged exactly like
 the blocks of an online softmax:
@@ -56,7 +56,8 @@ from flaxformer_lite.sparse.online_softmax import (
     partial_softmax,
     segment_mask,
 )
-from flaxformer_lite.sparse.patterns import Pattern, Plans, num_blocks
+from flaxformer_lite.sparse.patterns import Pattern
+from flaxformer_lite.sparse.plans import Plans, num_blocks
 
 
 def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from flaxformer_lite.sparse.online_softmax import normalise, pad_to, partial_softmax, segment_mask
-from flaxformer_lite.sparse.patterns import num_blocks
+from flaxformer_lite.sparse.plans import num_blocks
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "causal", "query_block"))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.mesh import MeshError
-from flaxformer_lite.data import assembly, pipeline
+from flaxformer_lite.data import assembly, packing, pipeline
 from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.model.partitioning import check_model
 from flaxformer_lite.training import distributed, preemption
@@ -153,7 +153,7 @@ def train_iterator(config: ExperimentConfig, data: assembly.TrainingData):
         resample = pipeline.SubwordSampler(
             data.train_texts, data.train, data.tokenizer, d.subword_alpha, d.max_length, t.seed
         )
-    return pipeline.train_iterator(
+    return packing.train_iterator(
         sampler(0) if sampler else data.train,
         batch_size=t.batch_size // jax.process_count(),
         max_length=d.max_length,
