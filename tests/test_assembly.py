@@ -13,13 +13,11 @@ from flaxformer_lite.data.assembly import prepare_data
 from flaxformer_lite.data.tokenizer import UNK_ID
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.transformer import Transformer
+from flaxformer_lite.training.startup import ppmi_embedding_params
 from flaxformer_lite.training.state import (
     create_train_state,
 )
-from flaxformer_lite.training.train import (
-    _ppmi_embedding_params,
-    train_and_evaluate,
-)
+from flaxformer_lite.training.train import train_and_evaluate
 from tests.fixtures import debug_config, load_config
 
 
@@ -32,7 +30,7 @@ def test_ppmi_embedding_init(fixture_data, tmp_path):
     state = create_train_state(
         Transformer(validate_experiment(config)), optax.sgd(0.1), 0, config.data.max_length
     )
-    params = _ppmi_embedding_params(config, data.tokenizer, state.params)
+    params = ppmi_embedding_params(config, data.tokenizer, state.params)
     table = np.asarray(params["shared_embedding"]["embedding"])
     assert not np.allclose(table, state.params["shared_embedding"]["embedding"])
     np.testing.assert_allclose(np.linalg.norm(table, axis=1), 1.0, rtol=1e-5)
