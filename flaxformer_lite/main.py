@@ -7,6 +7,8 @@
   python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
   python -m flaxformer_lite.main generate --workdir=runs/lm --temperature=0.8 "And God said"
   python -m flaxformer_lite.main attention --workdir=runs/x "Where is the station?"
+  python -m flaxformer_lite.main diagnostics --workdir=runs/x --pattern=local:window=8 \
+      --input=sentences.txt
   python -m flaxformer_lite.main sweep --config=configs/ende_small.py:debug --workdir=runs/s \
       --sweep=model.num_heads=1,2 --sweep=model.positional=sinusoidal,learned --seeds=3
   python -m flaxformer_lite.main fields
@@ -19,7 +21,9 @@ of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
 ``evaluate`` translates a split and reports BLEU and chrF with signatures;
 ``generate`` continues its arguments (``--input`` or standard input) with a
 language-model run; ``attention`` draws every layer's and head's attention on
-one sentence (a PNG grid and a self-contained HTML page); ``sweep`` trains (or
+one sentence (a PNG grid and a self-contained HTML page); ``diagnostics`` reports
+each head's attention entropy, distance, largest logit and the share of its mass
+inside given sparse patterns over some texts (a table and a figure); ``sweep`` trains (or
 resumes) a cross product of config overrides times seeds, one run folder each,
 and tabulates them (see :mod:`flaxformer_lite.sweep`); ``fields`` lists every
 config field with its type, default and meaning. Decoding flags left out take
@@ -120,6 +124,11 @@ _OUTPUT = flags.DEFINE_string(
     None,
     "attention: path prefix of the PNG and HTML it writes (default WORKDIR/attention/attention).",
 )
+_PATTERN = flags.DEFINE_multi_string(
+    "pattern",
+    ["local:window=8", "topk:k=8"],
+    "diagnostics: a sparse pattern whose share of the attention mass to report (repeat).",
+)
 _TARGET = flags.DEFINE_string(
     "target", None, "attention: the translation to draw (default: the model's own)."
 )
@@ -194,6 +203,24 @@ def _attention(texts: list[str]) -> None:
     attention_maps.main(_WORKDIR.value, texts, _OUTPUT.value, _TARGET.value, **_decode_options())
 
 
+def _diagnostics(texts: list[str]) -> None:
+    from collections import Counter
+    from pathlib import Path
+
+    from flaxformer_lite.inference import diagnostics, streaming
+    from flaxformer_lite.inference.translate import Translator
+
+    lines = streaming.read_lines(list(texts), _INPUT.value, "texts", Counter())
+    texts = [t for t in lines if t.strip()]
+    translator = Translator.from_workdir(_WORKDIR.value)
+    stats = diagnostics.run_stats(translator, texts, _PATTERN.value, **_decode_options())
+    output = Path(_OUTPUT.value or Path(_WORKDIR.value) / "diagnostics" / "attention_stats")
+    title = f"{_WORKDIR.value}: attention statistics over {len(texts)} text(s)"
+    diagnostics.write_report(stats, output, title)
+    print(diagnostics.table(stats))
+    print(f"wrote {output}.md, .json and .png")
+
+
 def _evaluate(texts: list[str]) -> None:
     from flaxformer_lite.inference.evaluation import evaluate_workdir
 
@@ -223,6 +250,7 @@ COMMANDS = {
     "evaluate": Command(_evaluate, ("split", "limit", "ensemble", *DECODE)),
     "generate": Command(_generate, ("input", "ensemble", *SAMPLING), texts=True),
     "attention": Command(_attention, ("output", "target", *DECODE), texts=True),
+    "diagnostics": Command(_diagnostics, ("pattern", "input", "output", *DECODE), texts=True),
     "sweep": Command(
         lambda texts: _sweep(), ("config", "sweep", "seeds", "parallel", "split", "limit", *DECODE)
     ),  # fmt: skip

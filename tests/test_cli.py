@@ -73,5 +73,13 @@ def test_sparse_long_lm_debug_run(fixture_data, tmp_path):
     config.train.batch_size = 8  # one row per simulated device
     config.data.dataset = "ding_de_en"  # the fixture Bible is too small for a tokenizer
     config.data.data_dir = str(data_dir)
+    config.train.attention_stats_every = 3  # the sparse heads' statistics, logged
     metrics = train_and_evaluate(config, tmp_path)
     assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
+    logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stats = [r for r in logged if r["split"] == "attention"]
+    assert [r["step"] for r in stats] == [3, 6]
+    head = "decoder/layer_0/self_attention/head_0/"
+    for name in ("entropy", "distance", "max_logit", "mass_in:local:window=8"):
+        assert np.isfinite(stats[-1][head + name]), name
+    assert 0 < stats[-1][head + "mass_in:topk:k=8"] <= 1

@@ -35,7 +35,11 @@ from flaxformer_lite.config.fields import (
 from flaxformer_lite.config.mesh import DEFAULT_MESH
 from flaxformer_lite.config.model import ConfigError, ModelConfig
 
-TASKS = ("translation", "lm")
+# translation: encoder-decoder on text pairs; lm: decoder-only on text; recall: decoder-only
+# on a generated recall task's token ids, scored where its weights say; classify: an
+# encoder and a classification head on a generated task (data/synthetic.py).
+TASKS = ("translation", "lm", "recall", "classify")
+TEXT_TASKS = ("translation", "lm")
 TOO_LONG = ("drop", "truncate")
 PARALLELISM = ("jit", "pmap")
 SCHEDULES = ("noam", "warmup_cosine", "constant")  # built by training/schedules.py
@@ -88,7 +92,8 @@ class DataConfig(Section):
     NAME = "data"
 
     task: str = option(
-        "translation", "translation (encoder-decoder) or lm (decoder-only, on target_lang)",
+        "translation", "translation (encoder-decoder), lm (decoder-only, on target_lang), "
+        "recall or classify (generated tasks: mqar/..., needle/..., listops/...)",
         choices=TASKS,
     )  # fmt: skip
     dataset: str = option("ding_de_en", "local builder (ding_de_en, bible_en_es) or a TFDS name")
@@ -191,6 +196,15 @@ class TrainConfig(Section):
     eval_bleu_sentences: int = option(
         0, "greedy BLEU on this many validation sentences per evaluation (0 = off)",
         rule=NON_NEGATIVE,
+    )  # fmt: skip
+    attention_stats_every: int = option(
+        0, "> 0: every N steps, log each attention head's entropy, distance, largest logit "
+        "and mass inside attention_stats_patterns, on a validation batch (0 = off)",
+        rule=NON_NEGATIVE,
+    )  # fmt: skip
+    attention_stats_patterns: str = option(
+        "local:window=8 topk:k=8", "patterns (space-separated specs) whose share of the "
+        "attention mass attention_stats_every logs",
     )  # fmt: skip
     embedding_init: str = option(
         "random", "start of the token embeddings: random, or PPMI co-occurrence vectors",

@@ -124,6 +124,9 @@ class ModelConfig(Section):
         rule=NON_NEGATIVE,
     )  # fmt: skip
 
+    # The task head (data.task=classify: model/classifier.py).
+    num_classes: int = option(0, "classify: classes of the sequence classifier", rule=NON_NEGATIVE)
+
     # Token ids (the data pipeline's sentencepiece model uses the same).
     pad_id: int = option(0, "padding id")
     eos_id: int = option(1, "end-of-sentence id")

@@ -267,6 +267,16 @@ def check_train(t: Any) -> None:
             f"config.train.concurrent_splits={t.concurrent_splits} must divide "
             f"train.batch_size={t.batch_size} (per device)"
         )
+    for spec in t.attention_stats_patterns.split():
+        try:
+            layers = parse_spec(spec)
+        except PatternSpecError as e:
+            raise ConfigError(f"config.train.attention_stats_patterns: {e}") from None
+        if len(layers) > 1 or len(layers[0]) > 1:
+            raise ConfigError(
+                f"config.train.attention_stats_patterns: {spec!r} is one pattern for every "
+                "head (no '|' layers or ';' head groups)"
+            )
     if t.concurrent_splits > 1 and t.microbatches > 1:
         raise ConfigError(
             f"config.train.concurrent_splits={t.concurrent_splits} and microbatches="
@@ -303,6 +313,26 @@ def check_decode(dc: Any) -> None:
 
 def check_experiment(e: Any) -> None:
     d, t, o, m = e.data, e.train, e.optimizer, e.model
+    if d.task == "classify" and m.num_classes < 2:
+        raise ConfigError(
+            f"config.data.task='classify' needs model.num_classes >= 2 (it is "
+            f"{m.num_classes}); set it to the task's classes (listops: 10)"
+        )
+    if d.task in ("recall", "classify"):
+        if d.pack:
+            raise ConfigError(
+                f"config.data.task={d.task!r} reads one generated example per row; set "
+                "data.pack=False"
+            )
+        if t.embedding_init != "random":
+            raise ConfigError(
+                f"config.train.embedding_init={t.embedding_init!r} counts words of text "
+                f"pairs; data.task={d.task!r} has none: use embedding_init=random"
+            )
+    if d.task == "classify" and m.num_encoder_layers == 0:
+        raise ConfigError(
+            "config.data.task='classify' runs an encoder: set model.num_encoder_layers >= 1"
+        )
     if d.max_length > m.max_len:
         raise ConfigError(
             f"config.data.max_length={d.max_length} exceeds model.max_len={m.max_len}; "

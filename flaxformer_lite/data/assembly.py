@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flaxformer_lite.config.experiment import ExperimentConfig
-from flaxformer_lite.data import cooccurrence, pipeline, sources
+from flaxformer_lite.config.experiment import TEXT_TASKS, ExperimentConfig
+from flaxformer_lite.data import cooccurrence, pipeline, sources, synthetic
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 
 
@@ -24,7 +24,7 @@ from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 class TrainingData:
     """A run's training and validation examples (token ids), its tokenizer and counts."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None for a generated task (its examples are ids)
     train: list[dict[str, np.ndarray]]
     validation: list[dict[str, np.ndarray]]
     stats: dict[str, pipeline.PipelineStats]
@@ -43,8 +43,11 @@ class TrainingData:
 
 
 def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
-    """Text splits -> the workdir's tokenizer (trained on train splits once) -> token ids."""
+    """Text splits -> the workdir's tokenizer (trained on train splits once) -> token ids;
+    for a generated task (``recall``, ``classify``) its examples, which are ids already."""
     config = ExperimentConfig.from_config(config)
+    if config.data.task not in TEXT_TASKS:
+        return generated_data(config)
     d = config.data
     columns = d.features
     train_pairs: list[tuple[str, ...]] = []
@@ -126,6 +129,51 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
         train_texts,
         pools,
     )
+
+
+def check_generated(config: ExperimentConfig) -> synthetic.Spec:
+    """The generated dataset of a recall or classify run, checked against the config."""
+    d, m = config.data, config.model
+    spec = synthetic.parse(d.dataset)
+    if spec is None:
+        raise ValueError(
+            f"data.task={d.task!r} reads a generated dataset (mqar/l512_p32, needle/l1024, "
+            f"listops/l512), not data.dataset={d.dataset!r}"
+        )
+    task = synthetic.TASK_OF[spec.task]
+    if task != d.task:
+        raise ValueError(f"data.dataset={d.dataset!r} is a {task} task; set data.task={task}")
+    if m.vocab_size < synthetic.VOCAB[spec.task]:
+        raise ValueError(
+            f"model.vocab_size={m.vocab_size} is smaller than {spec.task}'s "
+            f"{synthetic.VOCAB[spec.task]} token ids; set it to at least that"
+        )
+    if task == "classify" and m.num_classes != synthetic.NUM_CLASSES[spec.task]:
+        raise ValueError(
+            f"model.num_classes={m.num_classes}, but {spec.task} has "
+            f"{synthetic.NUM_CLASSES[spec.task]} classes"
+        )
+    if spec.length > d.max_length:
+        raise ValueError(
+            f"data.max_length={d.max_length} is shorter than the rows of {d.dataset} "
+            f"({spec.length} tokens); set data.max_length={spec.length}"
+        )
+    return spec
+
+
+def generated_data(config: ExperimentConfig) -> TrainingData:
+    """The examples of a generated task (no tokenizer: they are ids already)."""
+    d = config.data
+    check_generated(config)
+    train = []
+    for name, limit in d.train_splits:
+        train += sources.fixed_subset(synthetic.load_examples(d.dataset, name, d.data_dir), limit)
+    validation = synthetic.load_examples(d.dataset, d.eval_split, d.data_dir)
+    stats = {
+        "train": pipeline.PipelineStats(len(train), 0, 0, 0),
+        "validation": pipeline.PipelineStats(len(validation), 0, 0, 0),
+    }
+    return TrainingData(None, train, validation, stats, validation_texts=[])
 
 
 def ppmi_table(config: ExperimentConfig, tokenizer: Tokenizer) -> np.ndarray:

@@ -59,6 +59,8 @@ class AttentionMaps:
     source_pieces: tuple[str, ...]  # encoder input (translation runs)
     decoder_pieces: tuple[str, ...]  # decoder input: <s> + output shifted right
     weights: dict[str, np.ndarray]
+    # [layers, heads, queries]: each query's largest pre-softmax score, by kind
+    max_logits: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def axes(self, kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return {
@@ -75,10 +77,11 @@ def _pieces(tokenizer, ids) -> list[str]:
     return out
 
 
-def _stack(layers: dict, kind: str) -> np.ndarray:
-    """``[layers, heads, q, k]`` from ``{"layer_0": {kind: {"attention_weights": (w,)}}}``."""
+def _stack(layers: dict, kind: str, name: str = "attention_weights") -> np.ndarray:
+    """``[layers, heads, q, k]`` from ``{"layer_0": {kind: {name: (w,)}}}`` (``name``:
+    the sown weights, or ``attention_max_logit`` ``[layers, heads, q]``)."""
     names = sorted(layers, key=lambda n: int(n.rpartition("_")[2]))
-    return np.stack([np.asarray(layers[n][kind]["attention_weights"][0][0]) for n in names])
+    return np.stack([np.asarray(layers[n][kind][name][0][0]) for n in names])
 
 
 def attention_maps(
@@ -118,14 +121,16 @@ def attention_maps(
         )(params, jnp.asarray(ids)[None], jnp.asarray(targets)[None])
         source = tuple(_pieces(tokenizer, ids))
     found = state["intermediates"]
-    weights = {}
+    where = {"decoder": ("decoder", "self_attention")}
     if "encoder" in found:
-        weights["encoder"] = _stack(found["encoder"], "self_attention")
-    weights["decoder"] = _stack(found["decoder"], "self_attention")
-    if "encoder" in found:
-        weights["cross"] = _stack(found["decoder"], "cross_attention")
+        where |= {"encoder": ("encoder", "self_attention"), "cross": ("decoder", "cross_attention")}
+    weights = {k: _stack(found[stack], module) for k, (stack, module) in where.items()}
+    logits = {
+        k: _stack(found[stack], module, "attention_max_logit")
+        for k, (stack, module) in where.items()
+    }
     decoder = (BOS_PIECE, *_pieces(tokenizer, targets[:-1]))
-    return AttentionMaps(text, output, source, decoder, weights)
+    return AttentionMaps(text, output, source, decoder, weights, logits)
 
 
 # The PNG grid ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Translation quality as the field reports it: corpus BLEU and chrF with sacrebleu.
+"""Scores of a trained run: BLEU and chrF of translations, accuracy of generated tasks.
 
 Scores come with sacrebleu's signature (tokenizer, smoothing, version), so a
 number can be compared with another only when the signatures match. BLEU is
@@ -13,11 +13,18 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import sacrebleu
 
 from flaxformer_lite.config.experiment import DecodeConfig
+from flaxformer_lite.data import synthetic
+from flaxformer_lite.data.packing import pad_batch
 from flaxformer_lite.data.sources import load_texts
+from flaxformer_lite.inference.run import Run
 from flaxformer_lite.inference.translate import Translator
 
 
@@ -63,6 +70,57 @@ def perplexity(nll: float) -> float:
     return math.exp(nll)
 
 
+def evaluate_accuracy(run: Run, split: str = "test", *, limit: int = 0) -> dict[str, Any]:
+    """Accuracy of a generated task's run on a split: of the answers (recall) or the
+    labels (classify), overall and by ``group`` where the task has one (the needle's
+    distance). Writes ``<workdir>/<split>_scores.json`` and prints it."""
+    d = run.config.data
+    examples = synthetic.load_examples(d.dataset, split, d.data_dir)[: limit or None]
+    params, step = run.params()
+    model = run.model()
+    classify = run.task == "classify"
+    batch_size = run.config.train.batch_size
+
+    @jax.jit
+    def correct(params, batch):  # per row: answers right, answers scored
+        if classify:
+            logits = model.apply({"params": params}, batch["inputs"])
+            targets, weights = batch["targets"][:, :1], batch["weights"][:, :1]
+        else:
+            logits = model.apply({"params": params}, batch["targets"])
+            targets, weights = batch["targets"], batch["weights"]
+        hits = (jnp.argmax(logits, -1) == targets) * weights
+        return hits.sum(-1), weights.sum(-1)
+
+    hits, counts, groups = [], [], []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        batch = pad_batch([{k: v for k, v in e.items() if k != "group"} for e in chunk],
+                          d.max_length)  # fmt: skip
+        h, n = jax.device_get(correct(params, batch))
+        hits += list(h)
+        counts += list(n)
+        groups += [int(e["group"][0]) if "group" in e else None for e in chunk]
+    hits, counts = np.asarray(hits, np.float64), np.asarray(counts, np.float64)
+    scores: dict[str, Any] = {
+        "split": split, "accuracy": float(hits.sum() / counts.sum()), "examples": len(examples),
+        "answers": int(counts.sum()), "checkpoint": f"{run.newest_kind()} {step}",
+    }  # fmt: skip
+    if any(g is not None for g in groups):
+        by = {}
+        for g in sorted({g for g in groups if g is not None}):
+            rows = np.asarray([x == g for x in groups])
+            by[str(g)] = float(hits[rows].sum() / counts[rows].sum())
+        scores["accuracy_by_group"] = by
+    (run.workdir / f"{split}_scores.json").write_text(json.dumps(scores, indent=2))
+    print(
+        f"{d.dataset} {split} ({scores['checkpoint']}): accuracy {scores['accuracy']:.4f} "
+        f"over {scores['answers']} answers"
+        + (f"; by group: {scores['accuracy_by_group']}" if "accuracy_by_group" in scores else "")
+    )
+    return scores
+
+
 def evaluate_workdir(
     workdir,
     split: str = "test",
@@ -71,8 +129,9 @@ def evaluate_workdir(
     limit: int = 0,
     ensemble: Sequence[str] = (),
     **options,
-) -> Scores:
-    """Translate a split of the run's dataset, score it, write the translations.
+) -> Scores | dict[str, Any]:
+    """Translate a split of the run's dataset, score it, write the translations (for a
+    generated task: its accuracy, :func:`evaluate_accuracy`).
 
     ``options``: beam_size, alpha, no_repeat_ngram, min_length_ratio,
     max_length_ratio as in ``Translator.translate``; one left out (or None) takes
@@ -82,6 +141,9 @@ def evaluate_workdir(
     ``num_examples`` example translations.
     """
     workdir = Path(workdir)
+    run = Run.open(workdir)
+    if run.task in ("recall", "classify"):
+        return evaluate_accuracy(run, split, limit=limit)
     translator = Translator.from_workdir(workdir, ensemble=ensemble)
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(DecodeConfig)})
     if unknown:

@@ -69,7 +69,8 @@ class Run:
 
     @property
     def is_lm(self) -> bool:
-        return self.task == "lm"
+        """A decoder-only model (a language model, or a generated recall task's)."""
+        return self.task in ("lm", "recall")
 
     @property
     def has_ema(self) -> bool:
@@ -94,7 +95,7 @@ class Run:
     def abstract_params(self) -> Any:
         """Shapes and dtypes of the model's parameters (nothing allocated)."""
         model, dummy = self.model(), jnp.ones((1, 8), jnp.int32)
-        args = (dummy,) if self.is_lm else (dummy, dummy)
+        args = (dummy, dummy) if self.task == "translation" else (dummy,)
         boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
         return partitioning.unbox(boxed)
 

@@ -1,4 +1,5 @@
-"""The model of a task: the encoder-decoder for translation, the decoder-only LM for lm."""
+"""The model of a task: the encoder-decoder for translation, the decoder-only LM for lm
+and recall, the sequence classifier for classify."""
 
 from __future__ import annotations
 
@@ -6,15 +7,19 @@ import flax.linen as nn
 
 from flaxformer_lite.config.experiment import TASKS
 from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer
 
+MODELS = {"translation": Transformer, "lm": LanguageModel, "recall": LanguageModel,
+          "classify": Classifier}  # fmt: skip
+
 
 def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Module:
-    """The encoder-decoder for ``translation``, the decoder-only LM for ``lm``."""
+    """The model ``task`` trains (see :data:`MODELS`)."""
     if task not in TASKS:
         raise ValueError(f"task {task!r}; choose one of {', '.join(TASKS)}")
-    return LanguageModel(model_config) if task == "lm" else Transformer(model_config)
+    return MODELS[task](model_config)
 
 
-__all__ = ["LanguageModel", "Transformer", "build_model"]
+__all__ = ["Classifier", "LanguageModel", "Transformer", "build_model"]

@@ -115,6 +115,19 @@ def dense_attention_weights(
     """``[b, h, n, n]`` attention weights of the head groups' patterns, as a dense array:
     what the blocked kernel computes without forming it, for pictures
     (``sow_attention_weights``) and checks at small ``n``."""
+    scores, mask = dense_scores(query, key, patterns, segments=segments, scale=scale)
+    return attention_weights(query, key, mask, score_fn=lambda q, k: scores)
+
+
+def dense_scores(
+    query: Array,
+    key: Array,
+    patterns: list[P.Pattern],
+    *,
+    segments: Array | None = None,
+    scale: float | None = None,
+) -> tuple[Array, Array]:
+    """(``[b, h, n, n]`` scores, the mask the head groups' patterns allow)."""
     n, h, d = query.shape[1], query.shape[2], query.shape[-1]
     per = h // len(patterns)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -133,7 +146,7 @@ def dense_attention_weights(
     )
     if segments is not None:
         mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
-    return attention_weights(query, key, mask, score_fn=lambda q, k: scores)
+    return scores, mask
 
 
 def decode_mask(patterns: list[P.Pattern], q_pos: Array, k_pos: Array, n: int) -> Array:

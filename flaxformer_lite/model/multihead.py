@@ -174,10 +174,11 @@ class MultiHeadAttention(nn.Module):
                 scan_blocks=c.attention_scan_blocks or None,
             )  # fmt: skip
             if c.sow_attention_weights:  # for pictures: the n x n array, made only here
-                weights = sparse.dense_attention_weights(
+                scores, allowed = sparse.dense_scores(
                     query, key, patterns, segments=segments, scale=scale
                 )
-                self.sow("intermediates", "attention_weights", weights)
+                weights = attention_weights(query, key, allowed, score_fn=lambda q, k: scores)
+                self._sow(weights, scores, allowed)
             return x
         fused = not decode and not c.sow_attention_weights
         if fused and c.attention_impl in ("chunked", "cudnn"):
@@ -200,12 +201,20 @@ class MultiHeadAttention(nn.Module):
         mask = self._dense(mask)
         weights = attention_weights(query, key, mask, score_fn=score)
         if c.sow_attention_weights:
-            self.sow("intermediates", "attention_weights", weights)
+            self._sow(weights, score(query, key), mask)
         if not deterministic and c.attention_dropout > 0.0:
             weights = dropout_weights(
                 weights, c.attention_dropout, self.make_rng("dropout"), c.dropout_bits
             )
         return jnp.einsum("bhqk,bkhv->bqhv", weights, value)
+
+    def _sow(self, weights: Array, scores: Array, mask: Array | None) -> None:
+        """For pictures and diagnostics: the weights ``[b, h, q, k]`` and each query's
+        largest allowed logit ``[b, h, q]`` (the pre-softmax score)."""
+        self.sow("intermediates", "attention_weights", weights)
+        if mask is not None:
+            scores = jnp.where(mask, scores, -jnp.inf)
+        self.sow("intermediates", "attention_max_logit", jnp.max(scores, axis=-1))
 
     def _self_attention_cache(
         self, key: Array, value: Array, mask: Array | None, patterns=None

@@ -25,9 +25,11 @@ METRICS = {
     "valid_accuracy": ("valid acc", "{:.4f}"),
     "test_bleu": ("test BLEU", "{:.2f}"),
     "test_chrf": ("test chrF", "{:.2f}"),
+    "test_accuracy": ("test acc", "{:.4f}"),
 }
 _SCALE = {"flops_per_step": 1e-9}
-_NOISY = {"valid_nll", "valid_perplexity", "valid_accuracy", "test_bleu", "test_chrf"}
+_NOISY = {"valid_nll", "valid_perplexity", "valid_accuracy", "test_bleu", "test_chrf",
+          "test_accuracy"}  # fmt: skip
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float | None]:

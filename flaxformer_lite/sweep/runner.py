@@ -52,6 +52,7 @@ import jax
 from tensorboardX import SummaryWriter
 
 from flaxformer_lite.config.experiment import ExperimentConfig
+from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.builders import LOCAL_BUILDERS, build_local_dataset
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.sweep.record import RESULTS_JSONL, SPEC_FILE
@@ -172,7 +173,7 @@ def execute(
         return {**row, "status": "failed", "error": "interrupted"}
     config = ExperimentConfig.from_config(json.loads((folder / "config.json").read_text()))
     scores = {}
-    if sweep.split and config.data.task == "translation":
+    if sweep.split and config.data.task != "lm":  # BLEU, or a generated task's accuracy
         evaluate = [
             sys.executable,
             "-m",
@@ -192,9 +193,9 @@ def execute(
     attempts.write_text(json.dumps([*earlier, minutes]))
     row.update(measure(folder, config))
     row["wall_minutes"] = sum(earlier) + minutes
-    if scores:
-        row[f"{sweep.split}_bleu"] = scores["bleu"]
-        row[f"{sweep.split}_chrf"] = scores["chrf"]
+    for key in ("bleu", "chrf", "accuracy", "accuracy_by_group"):
+        if key in scores:
+            row[f"{sweep.split}_{key}"] = scores[key]
     row["status"] = "ok"
     _write_atomic(done, json.dumps(row, indent=2))
     _hparams(workdir, sweep, spec, row)
@@ -261,6 +262,8 @@ def run_sweep(
     data = sweep.base().data
     if parallel > 1 and data.dataset in LOCAL_BUILDERS:
         build_local_dataset(data.dataset, data.data_dir)  # once, not by racing runs
+    elif parallel > 1 and synthetic.parse(data.dataset) is not None:
+        synthetic.builder(data.dataset, data.data_dir).download_and_prepare()
     recorded = _recorded(workdir)
     finished = sum(_finished(workdir, r, recorded) for r in runs)
     print(

@@ -54,8 +54,10 @@ def train_step_flops(
     c: ModelConfig, batch: int, source_len: int, target_len: int, task: str = "translation"
 ) -> float:
     """Forward + backward (= 3 x forward)."""
-    if task == "lm":
+    if task in ("lm", "recall"):
         return 3.0 * lm_forward_flops(c, batch, target_len)
+    if task == "classify":  # the encoder alone (the head is negligible)
+        return 3.0 * forward_flops(c.replace(num_decoder_layers=0), batch, source_len, 0)
     return 3.0 * forward_flops(c, batch, source_len, target_len)
 
 

@@ -116,6 +116,12 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> assembly.TrainingDa
     distributed.barrier("tokenizer written")
     if data is None:
         data = assembly.prepare_data(config, workdir)
+    if data.tokenizer is None:  # a generated task: ids already, checked by the assembly
+        print(
+            f"data: {len(data.train)} generated training and {len(data.validation)} "
+            f"validation examples of {config.data.dataset}"
+        )
+        return data
     if data.tokenizer.vocab_size != config.model.vocab_size:
         raise TrainingError(
             f"the tokenizer in {workdir} has {data.tokenizer.vocab_size} pieces but "

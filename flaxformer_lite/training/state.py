@@ -21,6 +21,7 @@ from flaxformer_lite.config.experiment import ExperimentConfig, OptimizerConfig
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.model import partitioning
 from flaxformer_lite.model.build import build_model
+from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.training.schedules import make_schedule
 
@@ -213,7 +214,7 @@ def make_optimizer(opt: OptimizerConfig, model: ModelConfig, total_steps: int):
 
 def _init_args(model: nn.Module, length: int) -> tuple:
     dummy = jnp.ones((1, length), jnp.int32)
-    return (dummy,) if isinstance(model, LanguageModel) else (dummy, dummy)
+    return (dummy,) if isinstance(model, LanguageModel | Classifier) else (dummy, dummy)
 
 
 def create_train_state(

@@ -1,8 +1,10 @@
 """Pure train and eval steps (no side effects; jit or pmap them in parallel.py).
 
 A batch is a dict of ``inputs``/``targets`` (+ packing ``*_segment_ids``,
-``*_positions``) for the encoder-decoder, or ``targets`` alone for the
-decoder-only LM (which predicts each token from the ones before it).
+``*_positions``) for the encoder-decoder, ``targets`` alone for the decoder-only LM
+(which predicts each token from the ones before it), or ``inputs`` and the label as
+``targets[:, 0]`` for the classifier; an optional ``weights`` says which targets the
+loss counts (a generated recall task's answers), else every non-padding one.
 
 With ``axis_name`` (pmap), per-device sums are added across devices before
 normalising, so the loss is the mean over all non-padding tokens of the
@@ -25,24 +27,33 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.state import TrainState, skipped_updates
 
 
-def _forward(model: nn.Module, params, batch, *, deterministic: bool, rng=None):
+def forward(model: nn.Module, params, batch, *, deterministic: bool = True, rng=None, **apply):
+    """The model's logits on a batch, whatever the task (``apply``: flax's ``apply``
+    keywords, e.g. ``mutable=["intermediates"]``)."""
     rngs = None if rng is None else {"dropout": rng}
+    variables = {"params": params}
+    if isinstance(model, Classifier):
+        return model.apply(
+            variables, batch["inputs"], deterministic=deterministic, rngs=rngs, **apply
+        )
     if isinstance(model, LanguageModel):
         return model.apply(
-            {"params": params},
+            variables,
             batch["targets"],
             positions=batch.get("targets_positions"),
             segmentation=batch.get("targets_segment_ids"),
             deterministic=deterministic,
             rngs=rngs,
+            **apply,
         )
     return model.apply(
-        {"params": params},
+        variables,
         batch["inputs"],
         batch["targets"],
         inputs_positions=batch.get("inputs_positions"),
@@ -51,7 +62,22 @@ def _forward(model: nn.Module, params, batch, *, deterministic: bool, rng=None):
         targets_segmentation=batch.get("targets_segment_ids"),
         deterministic=deterministic,
         rngs=rngs,
+        **apply,
     )
+
+
+def _scored(model: nn.Module, batch: dict, pad_id: int) -> tuple[jax.Array, jax.Array]:
+    """(targets, weights) the loss is taken over: every non-padding target token, or the
+    batch's own ``weights`` (a generated recall task scores only its answers); a
+    classifier's one target per row (its label, at position 0)."""
+    targets = batch["targets"]
+    if "weights" in batch:
+        weights = batch["weights"].astype(jnp.float32)
+    else:
+        weights = (targets != pad_id).astype(jnp.float32)
+    if isinstance(model, Classifier):
+        return targets[:, :1], weights[:, :1]
+    return targets, weights
 
 
 def _norm(tree) -> jax.Array:
@@ -82,13 +108,14 @@ def train_step(
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     if axis_name is not None:
         rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
-    weights = (batch["targets"] != pad_id).astype(jnp.float32)
+    targets, weights = _scored(model, batch, pad_id)
+    batch = {**batch, "targets": targets} if isinstance(model, Classifier) else batch
     total_tokens = jnp.sum(weights)
     if axis_name is not None:
         total_tokens = lax.psum(total_tokens, axis_name)
 
     def loss_fn(params, part, part_weights, part_rng):
-        logits = _forward(model, params, part, deterministic=False, rng=part_rng)
+        logits = forward(model, params, part, deterministic=False, rng=part_rng)
         s = losses.sums(logits, part["targets"], part_weights, label_smoothing)
         return s["loss_sum"] / jnp.maximum(total_tokens, 1.0), s
 
@@ -177,9 +204,9 @@ def eval_step(
     axis_name: str | None = None,
 ) -> dict:
     """Summed loss statistics of one batch (add them over batches, then ``summarize``)."""
-    weights = (batch["targets"] != pad_id).astype(jnp.float32)
-    logits = _forward(model, params, batch, deterministic=True)
-    sums = losses.sums(logits, batch["targets"], weights, label_smoothing)
+    targets, weights = _scored(model, batch, pad_id)
+    logits = forward(model, params, batch, deterministic=True)
+    sums = losses.sums(logits, targets, weights, label_smoothing)
     if axis_name is not None:
         sums = lax.psum(sums, axis_name)
     return sums

@@ -17,6 +17,7 @@ import jax
 
 from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.data import assembly, pipeline
+from flaxformer_lite.inference import diagnostics
 from flaxformer_lite.inference.evaluation import corpus_scores
 from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.model.build import build_model
@@ -34,6 +35,7 @@ from flaxformer_lite.training.state import (
     state_partitioning,
 )
 from flaxformer_lite.training.steps import eval_step, train_step
+from flaxformer_lite.training.steps import forward as steps_forward
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from flaxformer_lite.workdir.folder import write_config
 from flaxformer_lite.workdir.lock import WorkdirBusyError, WorkdirLock
@@ -146,6 +148,7 @@ class Trainer:
         self.meter = Throughput(flops.train_step_flops(c, t.batch_size, d.max_length,
                                                        d.max_length, d.task))  # fmt: skip
         self.skipped = 0
+        self.attention_stats = self._attention_stats_fn() if t.attention_stats_every else None
 
     def _restore(self, state) -> tuple[TrainState, float]:
         """The newest checkpoint's state and the minutes its run had spent, or the fresh
@@ -211,6 +214,9 @@ class Trainer:
                 if step % t.checkpoint_every == 0 or last:
                     self.save(step, metrics)
                     acted = True
+                if t.attention_stats_every and step % t.attention_stats_every == 0:
+                    self.log_attention_stats(step)
+                    acted = True
                 if acted:  # logging, evaluating and saving are not training time
                     self.meter.reset()
                 if last:
@@ -265,6 +271,29 @@ class Trainer:
         evaluated = host_state.replace(params=params)
         self.checkpoints.save_best(step, evaluated, final[self.config.train.best_metric])
         return final
+
+    def _attention_stats_fn(self):
+        """The model with its attention sown, jitted on a few validation rows (built only
+        when ``train.attention_stats_every`` asks for it: no cost otherwise)."""
+        c, d = self.config.model, self.config.data
+        model = build_model(c.replace(sow_attention_weights=True), d.task)
+        batch = {k: v[:8] for k, v in self.eval_batches[0].items()}
+
+        @jax.jit
+        def sown(params):
+            rows = {k: jax.numpy.asarray(v) for k, v in batch.items()}
+            _, state = steps_forward(model, params, rows, mutable=["intermediates"])
+            return state["intermediates"]
+
+        return sown
+
+    def log_attention_stats(self, step: int) -> None:
+        """Entropy, distance, largest logit and pattern mass of every head, logged."""
+        params = evaluation_params(self.par.unreplicate(self.state))
+        sown = jax.device_get(self.attention_stats(params))
+        patterns = self.config.train.attention_stats_patterns.split()
+        stats = diagnostics.module_stats(sown, patterns=patterns)
+        self.logger.write(step, diagnostics.flat(stats), prefix="attention")
 
     def save(self, step: int, metrics) -> None:
         m = self.par.metrics_to_host(metrics)
