@@ -85,7 +85,7 @@ def test_paper_defaults():
     [
         ("score_fn", "cosine", r"model.score_fn='cosine' is not allowed; choose one of scaled_dot"),
         ("ln_position", "middle", r"model.ln_position='middle' .* post, pre"),
-        ("positional", "rotary", r"model.positional='rotary' .* sinusoidal, learned, none"),
+        ("positional", "alibi", r"model.positional='alibi' .* sinusoidal, learned, rotary, none"),
         ("tie_embeddings", "yes", r"model.tie_embeddings='yes' .* none, src_tgt, tgt_softmax, all"),
         ("activation", "swish", r"model.activation='swish' .* relu"),
         ("dtype", "float8", r"model.dtype='float8' .* float32"),

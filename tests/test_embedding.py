@@ -92,3 +92,24 @@ def test_learned_positions_lookup():
     np.testing.assert_array_equal(
         mod.apply({"params": params}, pos)[0], np.asarray(params["embedding"])[[0, 1, 0, 7]]
     )
+
+
+def test_rotary_positions_make_scores_depend_on_offsets_only():
+    """RoFormer's property, in float64: q at position m and k at position n score the
+    same as at m + c and n + c; and the rotation keeps norms."""
+    from flaxformer_lite.model.embedding import rotate
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.normal(size=(1, 5, 2, 8)))
+        k = jnp.asarray(rng.normal(size=(1, 5, 2, 8)))
+        pos = jnp.asarray([[0, 3, 4, 9, 20]])
+
+        def scores(shift):
+            return jnp.einsum("bqhd,bkhd->bhqk", rotate(q, pos + shift), rotate(k, pos + shift))
+
+        np.testing.assert_allclose(scores(0), scores(1000), rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(
+            jnp.linalg.norm(rotate(q, pos), axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-12
+        )
+        assert not np.allclose(scores(0), jnp.einsum("bqhd,bkhd->bhqk", q, k))

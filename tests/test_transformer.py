@@ -107,6 +107,7 @@ def _cached_decode(model, params, src, tgt):
         {"ln_position": "pre"},
         {"positional": "learned", "tie_embeddings": "none"},
         {"score_fn": "bilinear", "tie_embeddings": "src_tgt"},
+        {"positional": "rotary"},  # the cache holds keys turned by their own positions
     ],
 )
 def test_cached_decoding_equals_full_forward(tiny_config, overrides):
@@ -122,9 +123,13 @@ def test_cached_decoding_equals_full_forward(tiny_config, overrides):
     )
 
 
-@pytest.mark.parametrize("ln_position", ["post", "pre"])
+@pytest.mark.parametrize("ln_position", ["post", "pre", "pre-rotary"])
 def test_lm_cached_decoding_equals_full_forward(tiny_config, ln_position):
-    c = tiny_config.replace(ln_position=ln_position)
+    rotary = ln_position.endswith("-rotary")
+    c = tiny_config.replace(
+        ln_position=ln_position.removesuffix("-rotary"),
+        positional="rotary" if rotary else tiny_config.positional,
+    )
     lm = LanguageModel(c)
     tokens = jnp.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
     params = _init(lm, tokens)
@@ -150,8 +155,9 @@ def test_lm_is_causal(tiny_config):
     np.testing.assert_allclose(a[:, :4], b[:, :4], rtol=1e-6, atol=1e-6)
 
 
-def test_packed_equals_padded(tiny_config):
-    model = Transformer(tiny_config)
+@pytest.mark.parametrize("positional", ["sinusoidal", "rotary"])
+def test_packed_equals_padded(tiny_config, positional):
+    model = Transformer(tiny_config.replace(positional=positional))
     s1, t1 = [5, 6, 7, 1], [20, 21, 1]
     s2, t2 = [8, 9, 1], [22, 23, 24, 1]
     src = jnp.array([s1 + s2 + [0]])
@@ -175,8 +181,9 @@ def test_packed_equals_padded(tiny_config):
     np.testing.assert_allclose(packed[0, 3:7], padded[1, :4], rtol=1e-5, atol=1e-5)
 
 
-def test_lm_packed_equals_padded(tiny_config):
-    lm = LanguageModel(tiny_config)
+@pytest.mark.parametrize("positional", ["sinusoidal", "rotary"])
+def test_lm_packed_equals_padded(tiny_config, positional):
+    lm = LanguageModel(tiny_config.replace(positional=positional))
     a, b = [5, 6, 7, 1], [8, 9, 1]
     packed_tokens = jnp.array([a + b + [0]])
     seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]])

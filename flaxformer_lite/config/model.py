@@ -39,7 +39,7 @@ __all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset"]
 # softmax (no n x n array); cudnn / splash: the GPU / TPU fused kernels.
 ATTENTION_IMPLS = ("blocked", "reference", "chunked", "cudnn", "splash")
 LN_POSITIONS = ("post", "pre")
-POSITIONALS = ("sinusoidal", "learned", "none")
+POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
 TIE_EMBEDDINGS = ("none", "src_tgt", "tgt_softmax", "all")
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -89,7 +89,10 @@ class ModelConfig(Section):
     ln_position: str = option(
         "post", "post: LN(x + f(x)) as in the paper; pre: x + f(LN(x))", choices=LN_POSITIONS
     )
-    positional: str = option("sinusoidal", "position encoding", choices=POSITIONALS)
+    positional: str = option(
+        "sinusoidal", "position encoding (rotary: queries and keys turned by their "
+        "positions in self-attention, nothing added to the embeddings)", choices=POSITIONALS,
+    )  # fmt: skip
     tie_embeddings: str = option(
         "all", "shared tables (paper: source, target and softmax)", choices=TIE_EMBEDDINGS
     )

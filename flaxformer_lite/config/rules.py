@@ -125,6 +125,11 @@ def check_model(c: Any) -> None:
             f"tie_embeddings={c.tie_embeddings!r} gives the encoder its own table; "
             "set tie_embeddings to src_tgt or all"
         )
+    if c.positional == "rotary" and c.head_dim_qk % 2:
+        raise ConfigError(
+            f"model.positional=rotary turns pairs of query/key dims, and the head size is "
+            f"{c.head_dim_qk}; choose an even d_k (d_model / num_heads)"
+        )
     if c.positional == "sinusoidal" and c.d_model % 2:
         raise ConfigError(
             f"model.d_model={c.d_model} must be even for sinusoidal positions "

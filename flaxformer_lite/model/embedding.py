@@ -141,6 +141,23 @@ class LearnedPositions(nn.Module):
         return jnp.take(table, positions, axis=0).astype(self.dtype)
 
 
+def rotate(x: Array, positions: Array) -> Array:
+    """Rotary positions (RoFormer, Su et al. 2021): ``x [b, l, h, d]`` with each pair of
+    dims ``(2i, 2i+1)`` turned by the angle ``position / 10000^(2i/d)``, the paper's
+    frequencies. Applied to queries and keys, their dot product depends on the positions
+    only through their difference (``model.positional=rotary``; nothing is added to the
+    embeddings)."""
+    d = x.shape[-1]
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    angles = jnp.asarray(positions, wide)[:, :, None, None] * jnp.asarray(
+        _inverse_frequencies(d), wide
+    )  # [b, l, 1, d/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    even, odd = x[..., 0::2].astype(wide), x[..., 1::2].astype(wide)
+    turned = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return turned.reshape(x.shape).astype(x.dtype)
+
+
 def default_positions(batch: int, length: int) -> Array:
     """0 .. length-1 for every row: ``[batch, length]`` int32."""
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

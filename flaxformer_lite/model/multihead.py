@@ -33,6 +33,7 @@ from flaxformer_lite.model.attention import (
     make_score_fn,
 )
 from flaxformer_lite.model.chunked import chunked_attention
+from flaxformer_lite.model.embedding import default_positions, rotate
 from flaxformer_lite.model.masks import SegmentIds, combine_masks, make_causal_mask
 from flaxformer_lite.sparse import spec
 
@@ -65,6 +66,7 @@ class MultiHeadAttention(nn.Module):
         *,
         deterministic: bool = True,
         decode: bool = False,
+        positions: Array | None = None,
     ) -> Array:
         """Attend from ``inputs_q [b, q, m]`` to ``inputs_kv [b, k, m]``.
 
@@ -77,6 +79,9 @@ class MultiHeadAttention(nn.Module):
             :class:`SegmentIds` for sparse self-attention (``config.attention_pattern``).
           deterministic: disable dropout.
           decode: use and update the 'cache' collection.
+          positions: ``[b, q]`` positions of the queries (self-attention with
+            ``positional=rotary``: queries and keys are turned by them before the kernel,
+            so the cache holds turned keys); default 0..q-1 (needed when decoding).
         Returns:
           ``[b, q, m]``.
         """
@@ -129,6 +134,12 @@ class MultiHeadAttention(nn.Module):
         query = project_query(inputs_q)
         if self.self_attention:
             key, value = project_key(inputs_q), project_value(inputs_q)
+            if c.positional == "rotary":
+                if positions is None and decode:
+                    raise ValueError("rotary positions: pass the decoding step's positions")
+                if positions is None:
+                    positions = default_positions(*inputs_q.shape[:2])
+                query, key = rotate(query, positions), rotate(key, positions)
             if decode:
                 mask = self._dense(mask)
                 key, value, mask = self._self_attention_cache(key, value, mask, patterns)

@@ -103,14 +103,19 @@ class EncoderLayer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, mask: Array | SegmentIds | None, *, deterministic: bool = True
+        self,
+        x: Array,
+        mask: Array | SegmentIds | None,
+        *,
+        deterministic: bool = True,
+        positions: Array | None = None,
     ) -> Array:
         c = self.config
         attn = MultiHeadAttention(c, layer=self.layer, name="self_attention")
         x = _residual(
             c,
             x,
-            lambda h: attn(h, mask=mask, deterministic=deterministic),
+            lambda h: attn(h, mask=mask, deterministic=deterministic, positions=positions),
             "self_attention",
             deterministic,
         )
@@ -135,13 +140,16 @@ class DecoderLayer(nn.Module):
         *,
         deterministic: bool = True,
         decode: bool = False,
+        positions: Array | None = None,
     ) -> Array:
         c = self.config
         self_attn = MultiHeadAttention(c, layer=self.layer, causal=True, name="self_attention")
         x = _residual(
             c,
             x,
-            lambda h: self_attn(h, mask=self_mask, deterministic=deterministic, decode=decode),
+            lambda h: self_attn(
+                h, mask=self_mask, deterministic=deterministic, decode=decode, positions=positions
+            ),
             "self_attention",
             deterministic,
         )
@@ -215,7 +223,9 @@ class Encoder(nn.Module):
             c, embed, tokens, positions, deterministic, c.source_token_dropout
         )
         for i in range(c.num_encoder_layers):
-            x = EncoderLayer(c, layer=i, name=f"layer_{i}")(x, mask, deterministic=deterministic)
+            x = EncoderLayer(c, layer=i, name=f"layer_{i}")(
+                x, mask, deterministic=deterministic, positions=positions
+            )
         if c.ln_position == "pre":
             x = _layer_norm(c, "final_norm")(x)
         return x
@@ -259,8 +269,9 @@ class Decoder(nn.Module):
         )
         for i in range(c.num_decoder_layers):
             x = DecoderLayer(c, self.has_cross_attention, layer=i, name=f"layer_{i}")(
-                x, encoded, self_mask, cross_mask, deterministic=deterministic, decode=decode
-            )
+                x, encoded, self_mask, cross_mask, deterministic=deterministic, decode=decode,
+                positions=positions,
+            )  # fmt: skip
         if c.ln_position == "pre":
             x = _layer_norm(c, "final_norm")(x)
         if c.lexical_shortcut and self.has_cross_attention:
