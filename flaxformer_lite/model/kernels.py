@@ -157,16 +157,22 @@ def cudnn_call(
     return CudnnCall(q, k, v, scale, causal, window, q_len, kv_len, q_off, kv_off)
 
 
+def _public(call: CudnnCall, implementation: str) -> Array:
+    """A call without packing through ``jax.nn.dot_product_attention``: lengths, causality
+    and the left window as its arguments."""
+    return jax.nn.dot_product_attention(
+        call.query, call.key, call.value, scale=call.scale, is_causal=call.causal,
+        query_seq_lengths=call.q_seqlen, key_value_seq_lengths=call.kv_seqlen,
+        local_window_size=None if call.window is None else (call.window, 0),
+        implementation=implementation,
+    )  # fmt: skip
+
+
 def _run_cudnn(call: CudnnCall) -> Array:
     """The call on the GPU: jax.nn's public wrapper, or for packed rows the packed layout
     of jax's cuDNN module (not re-exported by jax.nn; Hopper or later)."""
     if not call.packed:
-        return jax.nn.dot_product_attention(
-            call.query, call.key, call.value, scale=call.scale, is_causal=call.causal,
-            query_seq_lengths=call.q_seqlen, key_value_seq_lengths=call.kv_seqlen,
-            local_window_size=None if call.window is None else (call.window, 0),
-            implementation="cudnn",
-        )  # fmt: skip
+        return _public(call, "cudnn")
     try:
         from jax._src.cudnn import fused_attention_stablehlo as F
 
@@ -192,12 +198,7 @@ def _run_xla(call: CudnnCall) -> Array:
     the segment table describes, built here from the lengths and offsets (what cuDNN
     reads of them), so that a wrong table fails on CPU."""
     if not call.packed:
-        return jax.nn.dot_product_attention(
-            call.query, call.key, call.value, scale=call.scale, is_causal=call.causal,
-            query_seq_lengths=call.q_seqlen, key_value_seq_lengths=call.kv_seqlen,
-            local_window_size=None if call.window is None else (call.window, 0),
-            implementation="xla",
-        )  # fmt: skip
+        return _public(call, "xla")
     q_seg, q_pos = _segment_positions(call.q_offsets, call.q_seqlen, call.query.shape[1])
     k_seg, k_pos = _segment_positions(call.kv_offsets, call.kv_seqlen, call.key.shape[1])
     allowed = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] >= 0)
