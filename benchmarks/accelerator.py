@@ -9,7 +9,7 @@ stopped by a time limit keeps what it measured; ``--minutes`` caps each section 
 the rows it did not reach are listed as such):
 
 * ``env``: device, driver, cuDNN and package versions; the bf16 matmul peak measured
-  here (best of ten 8192^3 products) beside the datasheet's dense bf16 peak.
+  here (best of ten chains of ten 8192^3 products) beside the datasheet's dense bf16 peak.
 * ``train``: our train step for ende_small (its recipe batch, and a GPU-sized one),
   paper_base and paper_big, bfloat16 compute with float32 parameters, attention by
   cuDNN and by XLA's plain dense kernel; flax's examples/wmt (benchmarks/peer.py) on
@@ -125,7 +125,7 @@ def environment(tiny: bool) -> dict:
     except (OSError, subprocess.TimeoutExpired):
         info["nvidia_smi"] = None
     n = 256 if tiny else 8192
-    info["matmul_peak_tflops"] = matmul_peak_flops(n, 10, jnp.bfloat16) / 1e12
+    info["matmul_peak_tflops"] = matmul_peak_flops(n, 10, jnp.bfloat16, chain=10) / 1e12
     info["matmul_peak_shape"] = f"{n}^3 bf16"
     sheet = _datasheet_peak(dev.device_kind)
     info["datasheet_peak_tflops"] = None if sheet is None else sheet / 1e12

@@ -255,9 +255,13 @@ def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path, seeds):
 
     if seeds > 1:
         # Resume (the slow run; the default one checks that a finished run is read back,
-        # below): finished runs are skipped; a run without its result is run again (it
-        # resumes from its checkpoint, trains nothing more, and is scored again).
+        # below): finished runs are skipped; a run whose result is neither in its folder
+        # nor in results.jsonl (killed before it was recorded) is run again (it resumes
+        # from its checkpoint, trains nothing more, and is scored again).
         (workdir / rows[-1]["run"] / "sweep_result.json").unlink()
+        results = workdir / "results.jsonl"
+        kept = [x for x in results.read_text().splitlines() if rows[-1]["run"] not in x]
+        results.write_text("".join(x + "\n" for x in kept))
         before = (workdir / rows[0]["run"] / "metrics.jsonl").read_text()
         out = _sweep_cli(args, data_dir, raw)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -193,10 +193,13 @@ def _run_cudnn(call: CudnnCall) -> Array:
 
 
 def _run_xla(call: CudnnCall) -> Array:
-    """What the call computes, on any platform (``implementation="xla"``): for rows without
-    packing jax.nn's own XLA path on the same arguments; for packed rows the mask that
-    the segment table describes, built here from the lengths and offsets (what cuDNN
-    reads of them), so that a wrong table fails on CPU."""
+    """What the call computes, on any platform (``implementation="xla"``), as cuDNN does
+    it: for rows without packing jax.nn's own XLA path on the same arguments; for packed
+    rows the mask that the segment table describes, built here from the lengths and
+    offsets (what cuDNN reads of them), so that a wrong table fails on CPU. Like cuDNN's
+    packed layout (seen on an H200: NaN gradients), nothing is written at tokens outside
+    every segment: the output and the gradients of q, k and v are NaN there, so a caller
+    that lets them reach a real value fails on CPU too."""
     if not call.packed:
         return _public(call, "xla")
     q_seg, q_pos = _segment_positions(call.q_offsets, call.q_seqlen, call.query.shape[1])
@@ -206,10 +209,31 @@ def _run_xla(call: CudnnCall) -> Array:
         allowed &= k_pos[:, None, :] <= q_pos[:, :, None]
     if call.window is not None:
         allowed &= q_pos[:, :, None] - k_pos[:, None, :] <= call.window
-    return jax.nn.dot_product_attention(
-        call.query, call.key, call.value, mask=allowed[:, None], scale=call.scale,
+    q_in, k_in = (q_seg >= 0)[:, :, None, None], (k_seg >= 0)[:, :, None, None]
+    out = jax.nn.dot_product_attention(
+        _unwritten_grad(call.query, q_in), _unwritten_grad(call.key, k_in),
+        _unwritten_grad(call.value, k_in), mask=allowed[:, None], scale=call.scale,
         implementation="xla",
     )  # fmt: skip
+    return jnp.where(q_in, out, jnp.nan)
+
+
+@jax.custom_vjp
+def _unwritten_grad(x: Array, written: Array) -> Array:
+    """``x`` itself; its gradient is NaN where ``written`` is False (cuDNN's packed layout
+    leaves those rows of dq/dk/dv unwritten)."""
+    return x
+
+
+def _unwritten_fwd(x, written):
+    return x, written
+
+
+def _unwritten_bwd(written, g):
+    return jnp.where(written, g, jnp.nan).astype(g.dtype), None
+
+
+_unwritten_grad.defvjp(_unwritten_fwd, _unwritten_bwd)
 
 
 def _segment_positions(offsets: Array, lengths: Array, n: int) -> tuple[Array, Array]:
@@ -250,9 +274,22 @@ def cudnn_attention(
         kv_segments=kv_segments, packed=packed, max_segments=max_segments, scale=scale,
     )  # fmt: skip
     mode = implementation or platform_mode("cudnn")
+    if q_segments is not None:
+        # cuDNN writes neither the output nor the gradients of q, k and v at tokens outside
+        # every segment (padding): those rows hold whatever the buffer held, NaN included.
+        # Selecting the inputs makes the gradient a select too (zero there, whatever
+        # cuDNN left); the output is selected likewise.
+        q_real = (q_segments != 0)[:, :, None, None]
+        kv_real = ((kv_segments if kv_segments is not None else q_segments) != 0)[
+            :, :, None, None
+        ]
+        call = dataclasses.replace(
+            call, query=jnp.where(q_real, call.query, 0), key=jnp.where(kv_real, call.key, 0),
+            value=jnp.where(kv_real, call.value, 0),
+        )  # fmt: skip
     out = (_run_cudnn if mode == "cudnn" else _run_xla)(call)
     if q_segments is not None:
-        out = jnp.where((q_segments != 0)[:, :, None, None], out, 0)
+        out = jnp.where(q_real, out, 0)
     return out.astype(query.dtype)
 
 

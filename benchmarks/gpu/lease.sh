@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything of benchmarks/gpu/run.sh in one call of a short lease (docs/accelerator.md):
+# the gpu tests, the benchmark and a training run, each under its own time limit so the
+# call ends by itself inside SECONDS_TOTAL, then every output packed into OUT/results.tgz
+# (the device tool brings back few files) with the tables beside it.
+#
+#   benchmarks/gpu/lease.sh OUT [SECONDS_TOTAL=560] [TRAIN_MINUTES=2]
+set -uo pipefail
+out=${1:?usage: lease.sh OUT [SECONDS_TOTAL] [TRAIN_MINUTES]}; total=${2:-560}; train_min=${3:-2}
+cd "$(dirname "$0")/../.."
+start=$(date +%s); work=/tmp/lease; rm -rf "$work"; mkdir -p "$work" "$out"
+left() { echo $(( total - ($(date +%s) - start) )); }
+PY=${PY:-python3}
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/flaxformer_site .whl/*.whl || { echo "error: installing .whl failed"; exit 1; }
+export PYTHONPATH=/tmp/flaxformer_site:$PWD FLAXFORMER_NO_WHEELS=1 PYTHONUNBUFFERED=1
+{ nvidia-smi; "$PY" -c "import sys, jax, flax, optax, orbax.checkpoint as o, jaxlib; print(sys.version); print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__); print(jax.devices()); from jax._src.lib import cuda_versions as c; print('cudnn', c.cudnn_get_version() if c else None)"; } > "$work/env.txt" 2>&1
+cat "$work/env.txt"
+# the corpus's TFDS build needs only the CPU: done meanwhile, so the training run starts at once
+( JAX_PLATFORMS=cpu "$PY" -c "from flaxformer_lite.data.builders import build_local_dataset as b; b('ding_de_en')" > "$work/prepare.log" 2>&1 & )
+echo "== tests ($(left) s left)"; timeout 150 benchmarks/gpu/run.sh tests "$work"
+echo "== bench ($(left) s left)"; timeout 250 benchmarks/gpu/run.sh bench "$work" --minutes 1.0
+echo "== train ($(left) s left)"; timeout $(( $(left) - 15 )) benchmarks/gpu/run.sh train "$work" --minutes "$train_min"
+tar czf "$out/results.tgz" -C "$work" . ; cp "$work"/*.md "$work/env.txt" "$out"/ 2>/dev/null
+echo "== done in $(( $(date +%s) - start )) s"; ls "$out"
