@@ -280,9 +280,7 @@ def cudnn_attention(
         # Selecting the inputs makes the gradient a select too (zero there, whatever
         # cuDNN left); the output is selected likewise.
         q_real = (q_segments != 0)[:, :, None, None]
-        kv_real = ((kv_segments if kv_segments is not None else q_segments) != 0)[
-            :, :, None, None
-        ]
+        kv_real = ((kv_segments if kv_segments is not None else q_segments) != 0)[:, :, None, None]
         call = dataclasses.replace(
             call, query=jnp.where(q_real, call.query, 0), key=jnp.where(kv_real, call.key, 0),
             value=jnp.where(kv_real, call.value, 0),
