@@ -21,6 +21,7 @@ from flaxformer_lite.training.train import train_and_evaluate
 from tests.fixtures import debug_config, load_config
 
 
+@pytest.mark.slow
 def test_ppmi_embedding_init(fixture_data, tmp_path):
     _, data_dir = fixture_data
     config = debug_config(data_dir, num_steps=2, eval_every=2, checkpoint_every=2)
@@ -128,6 +129,7 @@ def test_reverse_tag_trains_both_directions(fixture_data, tmp_path):
     assert len(both) == len(phrases)
 
 
+@pytest.mark.slow
 def test_resampled_auxiliary_subset(fixture_data, tmp_path):
     """data.resample_subsets: split:N keeps all its pairs in a pool and each epoch
     draws N of them in turn (per direction with reverse_tag), the main split fixed;

@@ -119,7 +119,7 @@ def _config(**kw):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("lm", [False, True])
+@pytest.mark.parametrize("lm", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_models_with_chunked_attention_equal_plain(lm):
     """Packed batches (segment ids, positions) through the encoder-decoder and the LM."""
     plain_c, chunked_c = _config(), _config(attention_impl="chunked", attention_chunk=8)

@@ -106,6 +106,7 @@ def test_beams_sorted_by_penalised_score_and_end_properly(model_params):
             assert _score(model, params, SRC[b], seq, 0.6) == pytest.approx(s[b, k], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_beam_search_with_a_sliding_window_decoder():
     """A local causal pattern decodes from a ring buffer whose slot positions are
     shared by all beams; reordering beams must move the keys, not the positions."""
@@ -239,6 +240,7 @@ def test_ensemble_of_one_or_of_copies_is_the_model(model_params):
         np.testing.assert_allclose(e_scores, scores, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ensemble_greedy_and_beam_follow_the_mean_probability(model_params):
     """Two different models: greedy takes the argmax of the mean next-token
     probability at every step (checked by full forward passes), and beam scores

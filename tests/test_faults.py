@@ -230,6 +230,7 @@ def _truncate_arrays(folder: pathlib.Path) -> None:
             f.truncate(100)
 
 
+@pytest.mark.slow
 def test_an_unreadable_checkpoint_falls_back_to_the_one_before(
     fixture_data, straight, tmp_path, capsys
 ):
@@ -314,6 +315,7 @@ def _catches_sigterm(pid: int) -> bool:
     return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs /proc")
 def test_sigterm_while_starting_stops_cleanly(fixture_data, tmp_path):
     """A preemptible machine is reclaimed while the run starts (imports, data, model,

@@ -46,6 +46,7 @@ def _greedy_by_full_forward(gen: Translator, prompt: list[int], new: int) -> lis
     return seq[len(prompt) :]
 
 
+@pytest.mark.slow
 def test_generate_continues_prompts(lm_run):
     workdir, _ = lm_run
     gen = Translator.from_workdir(workdir)

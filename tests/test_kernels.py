@@ -224,6 +224,7 @@ def _splash_against_blocked(patterns, heads):
     _check(fn, ref, (q, k, v), np.asarray(seg) > 0)
 
 
+@pytest.mark.slow
 def test_splash_matches_the_blocked_kernel():
     """One head per pattern, packed rows: a CausalMask, a LocalMask, a ChunkedCausalMask
     and BigBird's NumpyMask against the blocked kernel (the slow test pairs them up)."""

@@ -133,6 +133,7 @@ def test_two_processes_train_and_resume_like_one(fixture_data, tmp_path, resume)
         assert error <= 1e-5, jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_a_dead_process_stops_the_other_with_a_message(fixture_data, tmp_path):
     procs = _launch(fixture_data, tmp_path / "run", 10_000, "--heartbeat_timeout=10")
     metrics = tmp_path / "run" / "metrics.jsonl"

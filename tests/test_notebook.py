@@ -37,6 +37,7 @@ def test_notebook_is_clean_and_has_parameters():
     assert magic == [0]
 
 
+@pytest.mark.slow
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -86,6 +86,7 @@ def test_params_ema_is_the_bias_corrected_average():
         params_ema(1.0)
 
 
+@pytest.mark.slow
 def test_embedding_lr_scale_scales_only_token_embeddings():
     config = load_config()
     model_config = validate_experiment(config)

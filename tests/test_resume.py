@@ -77,6 +77,7 @@ def _validation_steps(workdir) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if r["split"] == "validation"]
 
 
+@pytest.mark.slow
 def test_time_budget_stops_early_with_a_checkpoint_and_resumes(fixture_data, tmp_path):
     _, data_dir = fixture_data
     # A budget that has run out before the first step: one step is taken, then the run
@@ -110,6 +111,7 @@ def _logged_rates(workdir) -> dict[int, float]:
     return {r["step"]: r["learning_rate"] for r in records if r["split"] == "train"}
 
 
+@pytest.mark.slow
 def test_cooldown_fraction_ramps_the_rate_to_zero_by_steps_and_by_the_clock(fixture_data, tmp_path):
     _, data_dir = fixture_data
     config = debug_config(data_dir, num_steps=6, log_every=1, eval_every=6, checkpoint_every=6)
@@ -132,6 +134,7 @@ def test_cooldown_fraction_ramps_the_rate_to_zero_by_steps_and_by_the_clock(fixt
     jax.tree.map(np.testing.assert_array_equal, params, init.params)
 
 
+@pytest.mark.slow
 def test_ema_run_evaluates_and_keeps_the_average(fixture_data, tmp_path):
     _, data_dir = fixture_data
     config = debug_config(data_dir, num_steps=4, eval_every=4, checkpoint_every=4)

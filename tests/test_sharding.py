@@ -90,7 +90,7 @@ def _one_device():
     [
         pytest.param("data:8", id="8x1x1", marks=pytest.mark.slow),
         pytest.param("data:1,fsdp:8", id="1x8x1"),
-        pytest.param("data:1,model:8", id="1x1x8"),
+        pytest.param("data:1,model:8", id="1x1x8", marks=pytest.mark.slow),
         pytest.param("data:2,fsdp:2,model:2", id="2x2x2"),
         pytest.param("data:4,model:2", id="4x1x2", marks=pytest.mark.slow),
     ],
@@ -184,6 +184,7 @@ def test_a_bad_mesh_is_a_config_error_before_any_data(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_meshes(fixture_data, tmp_path):
     """A run on 2x2x2 resumes on 8x1x1 and on 1x1x8-less 4x1x2, restores on one device,
     and translate / evaluate / average read it in a one-device process."""

@@ -99,7 +99,11 @@ def _run(kind, state, batches, step_fn, factors=None):
     return out, par.params_of(s)
 
 
-@pytest.mark.parametrize("factors", [None, [1.0, 0.6, 0.3]], ids=["schedule", "lr_factor"])
+@pytest.mark.parametrize(
+    "factors",
+    [None, pytest.param([1.0, 0.6, 0.3], marks=pytest.mark.slow)],
+    ids=["schedule", "lr_factor"],
+)
 def test_pmap_equals_jit_on_8_devices(factors):
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     cooldown = 0.5 if factors else 0.0
@@ -125,6 +129,7 @@ def test_pmap_equals_jit_on_8_devices(factors):
     assert compared > 20
 
 
+@pytest.mark.slow
 def test_concurrent_splits_give_the_same_step(kind="jit"):
     """Splitting the batch into independent chains changes nothing but the dropout draws
     (jit over 8 devices: the row groups are cut from a sharded batch; pmap runs the same

@@ -290,6 +290,7 @@ def _processes_naming(text: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not pathlib.Path("/proc/self/cmdline").exists(), reason="needs /proc")
 def test_sigterm_stops_the_sweep_and_its_runs(fixture_data, tmp_path):
     """A preempted sweep (SIGTERM) stops its running runs instead of orphaning them,

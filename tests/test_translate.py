@@ -99,6 +99,7 @@ def _kept_steps(workdir):
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_ensemble_members(run, monkeypatch):
     workdir, _ = run
     single = Translator.from_workdir(workdir)
@@ -167,6 +168,7 @@ def test_evaluate_writes_scores_and_translations(run, tmp_path):
         evaluate_workdir(workdir, "test", alpha=-1.0, limit=2)
 
 
+@pytest.mark.slow
 def test_translate_cli(run, tmp_path):
     workdir, raw = tmp_path / "run", run[1]  # average writes into the run: a copy
     shutil.copytree(run[0], workdir)
