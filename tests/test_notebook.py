@@ -35,6 +35,9 @@ def test_notebook_is_clean_and_has_parameters():
     # Only the set-up cell uses shell or magic lines; everything else is plain Python.
     magic = [i for i, c in enumerate(cells) if any(s.startswith(("!", "%")) for s in c["source"])]
     assert magic == [0]
+    for cell in cells:  # every cell compiles (the slow tier runs them all)
+        source = "".join(line for line in cell["source"] if not line.startswith(("!", "%")))
+        compile(source, f"{NOTEBOOK.name}:{cell['id']}", "exec")
 
 
 @pytest.mark.slow

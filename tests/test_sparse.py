@@ -295,6 +295,7 @@ def _model_config(**kw):
     return ModelConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_transformer_with_full_pattern_equals_dense(rng):
     c = _model_config()
     inp = jnp.asarray(rng.integers(3, 50, (2, 21))).at[1, 15:].set(0)
@@ -316,9 +317,9 @@ def test_transformer_with_full_pattern_equals_dense(rng):
     [
         "local:window=5",
         "local:window=3;local:window=7",
-        "bigbird:block=4,window=3,global=1,random=2",
+        pytest.param("bigbird:block=4,window=3,global=1,random=2", marks=pytest.mark.slow),
         "sparse_strided:stride=4",
-        "dilated:window=2,dilation=3+global:first=2",
+        pytest.param("dilated:window=2,dilation=3+global:first=2", marks=pytest.mark.slow),
     ],
 )
 def test_lm_cached_decoding_matches_full_forward(spec, rng):
