@@ -457,8 +457,17 @@ def _unknown_field(name: str, argv: list[str]) -> str:
     )
 
 
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def run() -> None:
-    app.run(main, flags_parser=_parse_flags)
+    try:
+        app.run(main, flags_parser=_parse_flags)
+    except SystemExit as e:
+        # absl exits 1 after printing the help it was asked for; asking is not an error
+        if e.code == 1 and any(a.split("=")[0] in HELP_FLAGS for a in sys.argv[1:]):
+            raise SystemExit(0) from None
+        raise
 
 
 if __name__ == "__main__":

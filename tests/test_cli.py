@@ -83,3 +83,28 @@ def test_sparse_long_lm_debug_run(fixture_data, tmp_path):
     for name in ("entropy", "distance", "max_logit", "mass_in:local:window=8"):
         assert np.isfinite(stats[-1][head + name]), name
     assert 0 < stats[-1][head + "mass_in:topk:k=8"] <= 1
+
+
+# Asking for help, or for the fields, imports neither JAX nor Flax (the command line
+# answers at once) and exits 0; absl's own exit status for --help is 1.
+LIGHT = """
+import sys, runpy
+sys.argv = ["flaxformer_lite.main", *sys.argv[1:]]
+try:
+    runpy.run_module("flaxformer_lite.main", run_name="__main__")
+except SystemExit as e:
+    code = e.code
+print("HEAVY", sorted(m for m in ("jax", "flax", "optax", "orbax") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["fields"], ["--helpfull"]])
+def test_help_and_fields_answer_without_jax(args):
+    out = subprocess.run(
+        [sys.executable, "-c", LIGHT, *args], cwd=ROOT, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout, out.stdout[-500:]
+    assert ("model.d_model" in out.stdout) if args == ["fields"] else ("--workdir" in out.stdout)
