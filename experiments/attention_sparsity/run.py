@@ -14,7 +14,8 @@ joined into passages of about 100 pieces. For every attention module and head:
 inside each pattern below, averaged over the texts by their numbers of queries; and,
 for scale, the mass the same patterns hold of *uniform* attention over the same texts
 (a pattern covering 30% of the keys keeps 30% of a uniform head). Writes
-results.json, table.md and sparsity.png here.
+results.json, table.md and sparsity.png here; ``--report`` redraws the last two from
+results.json alone (a fresh clone, no trained runs).
 """
 
 from __future__ import annotations
@@ -135,7 +136,15 @@ def main() -> None:
     parser.add_argument("--lm", default="runs/lm_kjv")
     parser.add_argument("--texts", type=int, default=100)
     parser.add_argument("--data_dir", default="data/tfds")
+    parser.add_argument(
+        "--report", action="store_true", help="redraw table.md and sparsity.png from results.json"
+    )
     args = parser.parse_args()
+    if args.report:
+        result = json.loads((HERE / "results.json").read_text())
+        write_table(result)
+        draw(result)
+        return
     result = {"patterns": list(PATTERNS)}
     sentences = [p[0] for p in load_texts("ding_de_en", "validation", ("en",), args.data_dir)]
     result["translation"] = measure(args.translation, sentences[: args.texts])

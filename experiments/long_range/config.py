@@ -6,7 +6,10 @@
 ``get_config("TASK,lL[,pP]")``: ``mqar`` (multi-query associative recall, P pairs),
 ``needle`` (one query at a controlled distance) or ``listops`` (classification) at
 row length L (data/synthetic.py). The model: 2 layers, 64 wide, 2 heads, d_ff 256,
-pre-LN, no dropout, learned positions; Adam with a constant rate after warm-up.
+pre-LN, no dropout, rotary positions, embeddings neither scaled by sqrt(d) nor tied to
+the output (the calibration in this folder's README: with the paper's scaled, tied
+embeddings and absolute positions the dense model stays at chance on recall); Adam
+with a constant rate after warm-up.
 Variants: ``debug`` (a few steps).
 """
 
@@ -33,7 +36,9 @@ def get_config(arg: str | None = None):
         embedding_dropout=0.0,
         residual_dropout=0.0,
         ln_position="pre",
-        positional="learned",
+        positional="rotary",
+        scale_embeddings=False,
+        tie_embeddings="none",
         num_classes=synthetic.NUM_CLASSES.get(task, 0),
         attention_block_size=64,
     )
