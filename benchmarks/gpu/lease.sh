@@ -5,6 +5,9 @@
 # (the device tool brings back few files) with the tables beside it.
 #
 #   benchmarks/gpu/lease.sh OUT [SECONDS_TOTAL=560] [TRAIN_MINUTES=2]
+#
+# BENCH_ARGS (default "--minutes 1.0") and TRAIN_ARGS (e.g. "--set train.batch_size=512")
+# go to the benchmark and the training run; SKIP="tests bench train" leaves steps out.
 set -uo pipefail
 out=${1:?usage: lease.sh OUT [SECONDS_TOTAL] [TRAIN_MINUTES]}; total=${2:-560}; train_min=${3:-2}
 cd "$(dirname "$0")/../.."
@@ -18,8 +21,11 @@ export PYTHONPATH=/tmp/flaxformer_site:$PWD FLAXFORMER_NO_WHEELS=1 PYTHONUNBUFFE
 cat "$work/env.txt"
 # the corpus's TFDS build needs only the CPU: done meanwhile, so the training run starts at once
 ( JAX_PLATFORMS=cpu "$PY" -c "from flaxformer_lite.data.builders import build_local_dataset as b; b('ding_de_en')" > "$work/prepare.log" 2>&1 & )
-echo "== tests ($(left) s left)"; timeout 150 benchmarks/gpu/run.sh tests "$work"
-echo "== bench ($(left) s left)"; timeout 250 benchmarks/gpu/run.sh bench "$work" --minutes 1.0
-echo "== train ($(left) s left)"; timeout $(( $(left) - 15 )) benchmarks/gpu/run.sh train "$work" --minutes "$train_min"
+skip=" ${SKIP:-} "
+read -ra bench_args <<< "${BENCH_ARGS:---minutes 1.0}"
+read -ra train_args <<< "${TRAIN_ARGS:-}"
+[[ $skip == *" tests "* ]] || { echo "== tests ($(left) s left)"; timeout 150 benchmarks/gpu/run.sh tests "$work"; }
+[[ $skip == *" bench "* ]] || { echo "== bench ($(left) s left)"; timeout 250 benchmarks/gpu/run.sh bench "$work" "${bench_args[@]}"; }
+[[ $skip == *" train "* ]] || { echo "== train ($(left) s left)"; timeout $(( $(left) - 15 )) benchmarks/gpu/run.sh train "$work" --minutes "$train_min" "${train_args[@]}"; }
 tar czf "$out/results.tgz" -C "$work" . ; cp "$work"/*.md "$work/env.txt" "$out"/ 2>/dev/null
 echo "== done in $(( $(date +%s) - start )) s"; ls "$out"
