@@ -36,7 +36,9 @@ def test_the_benchmark_dry_runs_on_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "accelerator.json").read_text())
     rows = result["train"] + result["attention"] + result["decode"]
-    assert len(result["train"]) == 3 and len(result["decode"]) == 4
+    # cuDNN and XLA dense on packed rows and on one example per row, and the peer
+    assert len(result["train"]) == 5 and len(result["decode"]) == 4
+    assert sum("one example per row" in r["run"] for r in result["train"]) == 2
     assert {r["kernel"] for r in result["attention"]} >= {"cudnn local (causal)", "blocked bigbird"}
     assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
     assert "MFU (measured peak)" in (tmp_path / "accelerator.md").read_text()
