@@ -65,8 +65,8 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 10, dtype=jnp.float32, chain
     """Best observed FLOP/s of an ``n x n`` matmul on the default device (this process),
     over ``repeats`` timings of ``chain`` products dispatched back to back. On an
     accelerator use a chain (e.g. 10): one product of 8192^3 takes ~1.4 ms on an H200,
-    and the host's wait for it adds enough to read 613 TFLOP/s where a chain reads the
-    card's ~790."""
+    and timing each with the host's wait read 613 TFLOP/s there, where other timings of
+    the same product (CUDA events, many products) read 769-798."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     f = jax.jit(jnp.dot)
