@@ -136,7 +136,10 @@ def environment(tiny: bool) -> dict:
 
 
 def train_cases(tiny: bool):
-    """(label, ModelConfig, batch rows, row length) of the train-step rows."""
+    """The train-step runs in the order measured (a section cut short by --minutes keeps
+    the first): (label, ModelConfig, batch rows, row length, attention, layout), where
+    attention None is the flax examples/wmt peer and layout is "packed" (synthetic rows of
+    ~14-token examples) or "whole" (one example filling each row, no segment ids)."""
     from flaxformer_lite.config.files import load_config
     from flaxformer_lite.config.model import PRESETS, ModelConfig, model_config_from
 
@@ -146,12 +149,26 @@ def train_cases(tiny: bool):
             vocab_size=400, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
             num_decoder_layers=1, max_len=64,
         )  # fmt: skip
-        return [("ende_small", ende.replace(**_shape(small)), 4, 32)]
-    return [  # the goal's row first: a section cut short by --minutes keeps it
-        ("paper_base", PRESETS["paper_base"].replace(vocab_size=37000), 200, 128),
-        ("ende_small", ende, 512, 64),
-        ("paper_big", PRESETS["paper_big"].replace(vocab_size=37000), 200, 128),
-        ("ende_small (recipe batch)", ende, 32, 64),
+        small = ende.replace(**_shape(small))
+        runs = [("cudnn", "packed"), ("blocked", "packed"), ("cudnn", "whole"),
+                ("blocked", "whole"), (None, "packed")]  # fmt: skip
+        return [("ende_small", small, 4, 32, impl, layout) for impl, layout in runs]
+    base = PRESETS["paper_base"].replace(vocab_size=37000)
+    big = PRESETS["paper_big"].replace(vocab_size=37000)
+    return [  # the goal's rows first, then the other models, then what was measured before
+        ("paper_base", base, 200, 128, "blocked", "packed"),
+        ("paper_base", base, 200, 128, "cudnn", "whole"),
+        ("paper_base", base, 200, 128, "blocked", "whole"),
+        ("paper_base", base, 200, 128, None, "packed"),
+        ("paper_big", big, 200, 128, "blocked", "packed"),
+        ("paper_base", base, 800, 128, "blocked", "packed"),
+        ("ende_small", ende, 512, 64, "blocked", "packed"),
+        ("ende_small", ende, 512, 64, None, "packed"),
+        ("paper_big", big, 200, 128, "cudnn", "whole"),
+        ("paper_big", big, 200, 128, None, "packed"),
+        ("ende_small (recipe batch)", ende, 32, 64, "blocked", "packed"),
+        ("paper_base", base, 200, 128, "cudnn", "packed"),
+        ("ende_small", ende, 512, 64, "cudnn", "packed"),
     ]
 
 
@@ -200,60 +217,56 @@ def measure_train(tiny: bool, budget: Budget, peak: float, sheet: float | None) 
 
     rows = []
     blocks, per_block = (2, 2) if tiny else (3, 10)
-    for label, base, batch, length in train_cases(tiny):
-        packed = pipeline.synthetic_batch(batch, length, base.vocab_size)
-        # one example filling each row, no segment ids: cuDNN without its packed layout
-        whole = {
-            k: v
-            for k, v in pipeline.synthetic_batch(
-                batch, length, base.vocab_size, mean_length=length
-            ).items()
-            if "segment" not in k
-        }
+    batches = {}  # (rows, length, vocab, layout) -> host batch, shared by the runs on it
+    for label, base, batch, length, impl, layout in train_cases(tiny):
+        shape = (batch, length, base.vocab_size, layout)
+        if shape not in batches:
+            whole = {"mean_length": length} if layout == "whole" else {}
+            host = pipeline.synthetic_batch(batch, length, base.vocab_size, **whole)
+            if layout == "whole":  # one example per row: no segment ids, cuDNN's plain layout
+                host = {k: v for k, v in host.items() if "segment" not in k}
+            batches[shape] = host
+        host = batches[shape]
         step_flops = flops.train_step_flops(base, batch, length, length)
-        runs = [("ours", "cudnn", packed), ("ours", "blocked", packed)]
-        if label == "paper_base" or tiny:  # cuDNN's packed layout was 4.7x slower here
-            runs += [("ours", "cudnn", whole), ("ours", "blocked", whole)]
-        runs.append(("flax examples/wmt", None, packed))
-        for who, impl, host in runs:
-            data = {k: jnp.asarray(v) for k, v in host.items()}
-            tokens = int((host["targets"] != 0).sum())
-            name = f"{who} ({'cuDNN' if impl == 'cudnn' else 'XLA dense'})" if impl else who
-            if host is whole:
-                name += ", one example per row"
-            row = {"model": label, "batch": f"{batch}x{length}", "run": name}
-            if not budget.left():
-                rows.append({**row, "status": "not reached (time budget)"})
-                continue
-            try:
-                config = _bf16(base, impl or "blocked")
-                make = _peer_step if impl is None else _our_step
-                step, state = make(config, length)
-                holder = {"state": state}
+        who = "ours" if impl else "flax examples/wmt"
+        data = {k: jnp.asarray(v) for k, v in host.items()}
+        tokens = int((host["targets"] != 0).sum())
+        name = f"{who} ({'cuDNN' if impl == 'cudnn' else 'XLA dense'})" if impl else who
+        if layout == "whole":
+            name += ", one example per row"
+        row = {"model": label, "batch": f"{batch}x{length}", "run": name}
+        if not budget.left():
+            rows.append({**row, "status": "not reached (time budget)"})
+            continue
+        try:
+            config = _bf16(base, impl or "blocked")
+            make = _peer_step if impl is None else _our_step
+            step, state = make(config, length)
+            holder = {"state": state}
 
-                def run(step=step, holder=holder, data=data):
-                    holder["state"], metrics = step(holder["state"], data)
-                    return metrics["loss"]
+            def run(step=step, holder=holder, data=data):
+                holder["state"], metrics = step(holder["state"], data)
+                return metrics["loss"]
 
-                t0 = time.perf_counter()
-                jax.block_until_ready(run())
-                compile_s = time.perf_counter() - t0
-                jax.block_until_ready(run())
-                seconds = _timed_blocks(run, blocks, per_block)
-                row.update(
-                    status="ok",
-                    step_ms=1e3 * seconds,
-                    compile_s=compile_s,
-                    target_tokens_per_s=tokens / seconds,
-                    model_tflops_per_s=step_flops / seconds / 1e12,
-                    mfu_measured_peak=step_flops / seconds / peak,
-                    mfu_datasheet=None if sheet is None else step_flops / seconds / sheet,
-                )
-                del holder, state
-            except Exception as e:  # noqa: BLE001 - a failing row is a result to report
-                row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            rows.append(row)
-            print(_train_line(row), flush=True)
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            compile_s = time.perf_counter() - t0
+            jax.block_until_ready(run())
+            seconds = _timed_blocks(run, blocks, per_block)
+            row.update(
+                status="ok",
+                step_ms=1e3 * seconds,
+                compile_s=compile_s,
+                target_tokens_per_s=tokens / seconds,
+                model_tflops_per_s=step_flops / seconds / 1e12,
+                mfu_measured_peak=step_flops / seconds / peak,
+                mfu_datasheet=None if sheet is None else step_flops / seconds / sheet,
+            )
+            del holder, state
+        except Exception as e:  # noqa: BLE001 - a failing row is a result to report
+            row.update(status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        rows.append(row)
+        print(_train_line(row), flush=True)
     return rows
 
 
@@ -262,8 +275,30 @@ def measure_train(tiny: bool, budget: Budget, peak: float, sheet: float | None) 
 HEADS, HEAD_DIM, TOKENS, WINDOW = 8, 64, 65536, 256
 
 
+def _import_tokamax():
+    """tokamax (Mosaic-GPU flash attention with per-row key ranges, which skips the key
+    blocks outside a band), or None where it is not installed (the accelerator bundle
+    brings it: benchmarks/gpu/bundle.sh). Its package imports xprof for its own
+    benchmarking helpers only; where xprof is absent an empty stand-in takes its place,
+    since the attention kernels never call it."""
+    import types
+
+    try:
+        import xprof.cli.tools  # noqa: F401
+    except ImportError:
+        for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+    try:
+        import tokamax
+    except Exception:  # noqa: BLE001 - absent, or built for another jax
+        return None
+    return tokamax
+
+
 def attention_kernels():
-    """name: (fn(q, k, v), pattern for FLOP counting and cuDNN's row to compare with)."""
+    """name: (fn(q, k, v), pattern for FLOP counting, the row to compare with). Rows whose
+    reference is a fused kernel are checked against it (values and gradients) too."""
     from flaxformer_lite.model import kernels
     from flaxformer_lite.model.attention import dot_product_attention
     from flaxformer_lite.model.chunked import chunked_attention
@@ -271,8 +306,9 @@ def attention_kernels():
     from flaxformer_lite.sparse.blocked import sparse_attention
 
     local = P.Local(WINDOW).causal()
+    band = P.Local(WINDOW)  # two-sided: keys i-w..i+w, an encoder's window
     bigbird = P.bigbird(block_size=64, window_blocks=3, global_blocks=2, random_blocks=3)
-    return {
+    out = {
         "cudnn dense": (lambda q, k, v: kernels.cudnn_attention(q, k, v), P.Full(), None),
         "cudnn causal": (
             lambda q, k, v: kernels.cudnn_attention(q, k, v, causal=True),
@@ -284,11 +320,36 @@ def attention_kernels():
             local,
             None,
         ),
-        "blocked local (causal)": (
-            lambda q, k, v: sparse_attention(q, k, v, local, block_size=128),
-            local,
-            "cudnn local (causal)",
-        ),
+    }
+    tokamax = _import_tokamax()
+    if tokamax is not None:
+        impl = "mosaic" if jax.default_backend() == "gpu" else "xla"
+
+        def tk(**kw):
+            return lambda q, k, v: tokamax.dot_product_attention(q, k, v, implementation=impl, **kw)
+
+        out.update({
+            "tokamax local (causal)": (
+                tk(is_causal=True, local_window_size=(WINDOW, 0)), local, "cudnn local (causal)"
+            ),
+            "tokamax dense": (tk(), P.Full(), "cudnn dense"),
+            "tokamax causal": (tk(is_causal=True), P.Full().causal(), "cudnn causal"),
+        })  # fmt: skip
+    out["blocked local (causal)"] = (
+        lambda q, k, v: sparse_attention(q, k, v, local, block_size=128),
+        local,
+        "cudnn local (causal)",
+    )
+    out["blocked local (two-sided)"] = (
+        lambda q, k, v: sparse_attention(q, k, v, band, block_size=128),
+        band,
+        None,
+    )
+    if tokamax is not None:
+        out["tokamax local (two-sided)"] = (
+            tk(local_window_size=(WINDOW, WINDOW)), band, "blocked local (two-sided)"
+        )  # fmt: skip
+    out.update({
         "blocked bigbird": (
             lambda q, k, v: sparse_attention(q, k, v, bigbird, block_size=64),
             bigbird,
@@ -301,7 +362,8 @@ def attention_kernels():
             "cudnn causal",
         ),
         "xla dense": (lambda q, k, v: dot_product_attention(q, k, v), P.Full(), "cudnn dense"),
-    }
+    })  # fmt: skip
+    return out
 
 
 def _allowed_pairs(pattern, n: int) -> float:
@@ -316,16 +378,31 @@ def _allowed_pairs(pattern, n: int) -> float:
     return float(np.asarray(pattern.mask(m)).sum()) * (n / m)
 
 
-def measure_attention(tiny: bool, budget: Budget, max_len: int) -> list[dict]:
-    lengths = [256, 512] if tiny else [1024, 4096, 16384, 65536]
+def _rel_diff(mine, ref) -> float:
+    """The largest of max|a - b| / max|b| over dq, dk, dv (the gradients of a random
+    projection of the output, so they test the attention weights and the output)."""
+    return max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        / float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+        for a, b in zip(mine[1], ref[1], strict=True)
+    )
+
+
+def measure_attention(
+    tiny: bool, budget: Budget, max_len: int, lengths: list[int] | None = None
+) -> list[dict]:
+    lengths = lengths or ([256, 512] if tiny else [1024, 4096, 16384, 65536])
     lengths = [n for n in lengths if n <= max_len]
     tokens = 1024 if tiny else TOKENS
+    kernels = attention_kernels()
+    refs = {ref for _, _, ref in kernels.values() if ref}
     rows = []
     for n in lengths:
         b = max(1, tokens // n)
         keys = jax.random.split(jax.random.key(n), 4)
         q, k, v, w = (jax.random.normal(x, (b, n, HEADS, HEAD_DIM), jnp.bfloat16) for x in keys)
-        for name, (fn, pattern, _) in attention_kernels().items():
+        results = {}  # the reference kernels' (loss, grads) at this length
+        for name, (fn, pattern, ref) in kernels.items():
             row = {"kernel": name, "length": n, "batch": b}
             if name == "xla dense" and n > (512 if tiny else 16384):
                 rows.append({**row, "status": "skipped (n x n weights)"})
@@ -339,7 +416,11 @@ def measure_attention(tiny: bool, budget: Budget, max_len: int) -> list[dict]:
                 compiled = step.lower(q, k, v).compile()
                 mem = compiled.memory_analysis()
                 call = functools.partial(compiled, q, k, v)
-                jax.block_until_ready(call())
+                res = jax.block_until_ready(call())
+                if name in refs:
+                    results[name] = res
+                if name.startswith("tokamax") and ref in results:
+                    row["max_rel_diff"] = _rel_diff(res, results[ref])
                 seconds = _timed_blocks(call, 3, 3)
                 useful = 3.5 * 4 * HEAD_DIM * HEADS * b * _allowed_pairs(pattern, n)
                 peak_bytes = None
@@ -361,7 +442,8 @@ def measure_attention(tiny: bool, budget: Budget, max_len: int) -> list[dict]:
 
 
 def _attention_ratios(rows: list[dict]) -> None:
-    """Each row's time over its cuDNN counterpart's at the same length."""
+    """Each row's time over its reference's (cuDNN for the same pattern where cuDNN can
+    compute it) at the same length."""
     kernels = {name: ref for name, (_, _, ref) in attention_kernels().items()}
     ms = {(r["kernel"], r["length"]): r.get("fwd_bwd_ms") for r in rows}
     for r in rows:
@@ -437,10 +519,11 @@ def _train_line(r: dict) -> str:
 
 def _attention_line(r: dict) -> str:
     if r.get("status") != "ok":
-        return f"| {r['kernel']} | {r['length']} | {r['batch']} | {r.get('status')} | | | |"
+        return f"| {r['kernel']} | {r['length']} | {r['batch']} | {r.get('status')} | | | | |"
     return (
         f"| {r['kernel']} | {r['length']} | {r['batch']} | {r['fwd_bwd_ms']:.2f} | "
-        f"{r['tflops_per_s']:.3g} | {_fmt(r['peak_mib'], '.0f')} | {r.get('vs_cudnn', '')} |"
+        f"{r['tflops_per_s']:.3g} | {_fmt(r['peak_mib'], '.0f')} | {r.get('vs_cudnn', '')} | "
+        f"{_fmt(r.get('max_rel_diff'), '.4f')} |"
     )
 
 
@@ -479,8 +562,9 @@ def report(result: dict) -> str:
         lines += [
             "## Attention, forward + backward (bfloat16, 8 heads of 64, B*n = 64k tokens)",
             "",
-            "| kernel | length | batch | fwd+bwd (ms) | TFLOP/s | peak MiB | vs cuDNN |",
-            "|---|---|---|---|---|---|---|",
+            "| kernel | length | batch | fwd+bwd (ms) | TFLOP/s | peak MiB | vs reference "
+            "| gradients' max rel. diff to it |",
+            "|---|---|---|---|---|---|---|---|",
             *(_attention_line(r) for r in result["attention"]),
             "",
         ]
@@ -503,6 +587,9 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SECTIONS), help="sections, comma-separated")
     parser.add_argument("--minutes", type=float, default=2.0, help="cap per section")
     parser.add_argument("--max_len", type=int, default=65536, help="longest attention length")
+    parser.add_argument(
+        "--lengths", default="", help="attention lengths, comma-separated (default 1k,4k,16k,64k)"
+    )
     args = parser.parse_args()
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SECTIONS))
@@ -526,7 +613,10 @@ def main() -> None:
         result["train"] = measure_train(args.tiny, Budget(args.minutes), peak, sheet)
         _write(out, result)
     if "attention" in only:
-        result["attention"] = measure_attention(args.tiny, Budget(args.minutes), args.max_len)
+        lengths = [int(x) for x in args.lengths.split(",") if x] if args.lengths else None
+        result["attention"] = measure_attention(
+            args.tiny, Budget(args.minutes), args.max_len, lengths
+        )
         _write(out, result)
     if "decode" in only:
         result["decode"] = measure_decode(args.tiny, Budget(args.minutes))

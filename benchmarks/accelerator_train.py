@@ -6,7 +6,7 @@
 Runs the three commands of ``make demo`` with ``configs/ende_small.py``:
 
 1. train for ``--minutes`` of training time (``train.max_minutes``; the step count is
-   not the limit), bfloat16 compute with float32 parameters, one chain (the CPU's
+   not the limit unless ``--steps`` sets one, as the recipe's 2000), bfloat16 compute with float32 parameters, one chain (the CPU's
    ``concurrent_splits`` off); evaluation and checkpoints every ``--every`` steps
    (the CPU demo's 200 would spend the GPU's minutes on them); attention by XLA's
    dense kernel, since the recipe keeps dropout on the attention weights (``--cudnn``
@@ -106,6 +106,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--minutes", type=float, default=8.0, help="training time")
     parser.add_argument("--every", type=int, default=500, help="steps between evals/checkpoints")
+    parser.add_argument(
+        "--steps", type=int, default=1_000_000,
+        help="step cap (default: none, --minutes ends the run; the recipe's own cap is 2000)",
+    )  # fmt: skip
     parser.add_argument("--workdir", default="/tmp/flaxformer_accelerator_run")
     parser.add_argument("--cudnn", action="store_true", help="cuDNN, no attention dropout")
     parser.add_argument("--tiny", action="store_true", help="dry run: the :debug variant")
@@ -133,7 +137,7 @@ def main() -> None:
     if not args.tiny:
         overrides += [
             f"--config.train.max_minutes={args.minutes}",
-            "--config.train.num_steps=1000000",
+            f"--config.train.num_steps={args.steps}",
             f"--config.train.eval_every={args.every}",
             f"--config.train.checkpoint_every={args.every}",
         ]

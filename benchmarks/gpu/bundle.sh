@@ -36,6 +36,15 @@ for p in $MISSING; do
     "$PY" -m pip wheel -q --no-deps -w .whl "$spec"
   fi
 done
+# tokamax (Mosaic-GPU flash attention that skips the key blocks outside a band) and its
+# dependencies, for the benchmark's tokamax rows; versions as tried (it needs jax >= 0.11.1,
+# so it has no place in this project's own environment). 6 MB.
+for spec in tokamax==0.0.17 qwix==0.1.8 einshape==1.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 \
+            pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5; do
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_TAG" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "$spec"
+done
 "$PY" benchmarks/peer.py >/dev/null
 du -sh .whl data/raw/usr/share/trans benchmarks/.peer | sed 's/^/  /'
 echo "bundle ready: carry .whl data/raw/usr/share/trans benchmarks/.peer (docs/accelerator.md)"

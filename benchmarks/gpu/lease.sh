@@ -7,7 +7,8 @@
 #   benchmarks/gpu/lease.sh OUT [SECONDS_TOTAL=560] [TRAIN_MINUTES=2]
 #
 # BENCH_ARGS (default "--minutes 1.0") and TRAIN_ARGS (e.g. "--set train.batch_size=512")
-# go to the benchmark and the training run; SKIP="tests bench train" leaves steps out.
+# go to the benchmark and the training run; BENCH_SECONDS (250) caps the benchmark;
+# SKIP="tests bench train" leaves steps out.
 set -uo pipefail
 out=${1:?usage: lease.sh OUT [SECONDS_TOTAL] [TRAIN_MINUTES]}; total=${2:-560}; train_min=${3:-2}
 cd "$(dirname "$0")/../.."
@@ -25,7 +26,7 @@ skip=" ${SKIP:-} "
 read -ra bench_args <<< "${BENCH_ARGS:---minutes 1.0}"
 read -ra train_args <<< "${TRAIN_ARGS:-}"
 [[ $skip == *" tests "* ]] || { echo "== tests ($(left) s left)"; timeout 150 benchmarks/gpu/run.sh tests "$work"; }
-[[ $skip == *" bench "* ]] || { echo "== bench ($(left) s left)"; timeout 250 benchmarks/gpu/run.sh bench "$work" "${bench_args[@]}"; }
+[[ $skip == *" bench "* ]] || { echo "== bench ($(left) s left)"; timeout "${BENCH_SECONDS:-250}" benchmarks/gpu/run.sh bench "$work" "${bench_args[@]}"; }
 [[ $skip == *" train "* ]] || { echo "== train ($(left) s left)"; timeout $(( $(left) - 15 )) benchmarks/gpu/run.sh train "$work" --minutes "$train_min" "${train_args[@]}"; }
 tar czf "$out/results.tgz" -C "$work" . ; cp "$work"/*.md "$work/env.txt" "$out"/ 2>/dev/null
 echo "== done in $(( $(date +%s) - start )) s"; ls "$out"
