@@ -10,21 +10,27 @@ the rows it did not reach are listed as such):
 
 * ``env``: device, driver, cuDNN and package versions; the bf16 matmul peak measured
   here (best of ten chains of ten 8192^3 products) beside the datasheet's dense bf16 peak.
-* ``train``: our train step for ende_small (its recipe batch, and a GPU-sized one),
-  paper_base and paper_big, bfloat16 compute with float32 parameters, attention by
+* ``train``: our train step for paper_base (packed rows, and rows of one example each,
+  where cuDNN takes its plain layout; a 4x batch), paper_big and ende_small (a GPU-sized
+  batch and the recipe's), bfloat16 compute with float32 parameters, attention by
   cuDNN and by XLA's plain dense kernel; flax's examples/wmt (benchmarks/peer.py) on
-  the same shapes, dtype and batch in the same process. Attention dropout is 0 on both
-  sides (cuDNN's kernel has none); other dropout 0.1. Tokens/s counts real target
-  tokens; MFU = the analytic model FLOPs (training/flops.py, every slot of the packed
-  rows) per second over the measured matmul peak and over the datasheet's.
-  Batches are synthetic packed rows already on the device.
+  the same shapes, dtype and batch in the same process. Rows run in one priority list
+  (``train_cases``), so a section cut short keeps the first; ``--rows`` picks some.
+  Attention dropout is 0 on both sides (cuDNN's kernel has none); other dropout 0.1.
+  Tokens/s counts real target tokens; MFU = the analytic model FLOPs
+  (training/flops.py, every slot of the rows) per second over the measured matmul peak
+  and over the datasheet's. Batches are synthetic rows already on the device.
 * ``attention``: forward+backward time, achieved TFLOP/s and XLA's peak buffer size of
-  the kernels at 1k-64k tokens (B*n = 64k tokens, 8 heads of 64, bfloat16): cuDNN
-  dense, causal and causal local (window 256), the blocked causal local and BigBird
-  kernels, chunked dense (causal and not), and XLA's plain dense kernel up to 16k.
-  FLOPs count only the (query, key) pairs the pattern allows, 4 d per pair forward,
-  x3.5 for forward+backward (FlashAttention-2's count: the backward pass is 2.5
-  forwards). Ratios: each kernel's time over cuDNN's for the same pattern.
+  the kernels at 1k-64k tokens (``--lengths``; B*n = 64k tokens, 8 heads of 64,
+  bfloat16): cuDNN dense, causal and causal local (window 256); tokamax's Mosaic-GPU
+  kernel (where the bundle installed it) dense, causal, causal local and two-sided
+  local, each checked against its reference (cuDNN, or the blocked kernel for the
+  two-sided window) on the same inputs: the largest relative difference of dq, dk, dv;
+  the blocked causal and two-sided local and BigBird kernels, chunked dense (causal
+  and not), and XLA's plain dense kernel up to 16k. FLOPs count only the (query, key)
+  pairs the pattern allows, 4 d per pair forward, x3.5 for forward+backward
+  (FlashAttention-2's count: the backward pass is 2.5 forwards). Ratios: each
+  kernel's time over its reference's for the same pattern.
 * ``decode``: cached greedy and beam-4 new tokens/s at batch 1 and 64 (source 32, 64
   new tokens, EOS never emitted so every row does the full work), ende_small and
   paper_base shapes.
@@ -211,7 +217,11 @@ def _peer_step(config, length: int):
     return lambda s, b: fn(s, b, rng), state
 
 
-def measure_train(tiny: bool, budget: Budget, peak: float, sheet: float | None) -> list[dict]:
+def measure_train(
+    tiny: bool, budget: Budget, peak: float, sheet: float | None, only: list[str] | None = None
+) -> list[dict]:
+    """The train-step rows; ``only``: keep the rows whose "model batch run" contains one
+    of these strings (e.g. ["paper_big", "examples/wmt", "800x128"])."""
     from flaxformer_lite.data import pipeline
     from flaxformer_lite.training import flops
 
@@ -235,6 +245,8 @@ def measure_train(tiny: bool, budget: Budget, peak: float, sheet: float | None) 
         if layout == "whole":
             name += ", one example per row"
         row = {"model": label, "batch": f"{batch}x{length}", "run": name}
+        if only and not any(o in f"{label} {row['batch']} {name}" for o in only):
+            continue
         if not budget.left():
             rows.append({**row, "status": "not reached (time budget)"})
             continue
@@ -588,6 +600,12 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=2.0, help="cap per section")
     parser.add_argument("--max_len", type=int, default=65536, help="longest attention length")
     parser.add_argument(
+        "--rows",
+        default="",
+        help='train rows whose "model batch run" contains one of these, comma-separated '
+        "(e.g. paper_big,examples/wmt,800x128; default all)",
+    )
+    parser.add_argument(
         "--lengths", default="", help="attention lengths, comma-separated (default 1k,4k,16k,64k)"
     )
     args = parser.parse_args()
@@ -610,7 +628,8 @@ def main() -> None:
     sheet = result["env"]["datasheet_peak_tflops"]
     sheet = None if sheet is None else sheet * 1e12
     if "train" in only:
-        result["train"] = measure_train(args.tiny, Budget(args.minutes), peak, sheet)
+        rows = [x for x in args.rows.split(",") if x] or None
+        result["train"] = measure_train(args.tiny, Budget(args.minutes), peak, sheet, rows)
         _write(out, result)
     if "attention" in only:
         lengths = [int(x) for x in args.lengths.split(",") if x] if args.lengths else None
