@@ -102,6 +102,17 @@ def measure(task: str, length: int, rounds: int) -> dict:
     }
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux), else what the platform module says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="listops", choices=sorted(TASKS))
@@ -111,8 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",") if x]
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, "
-        f"{jax.device_count()} {jax.default_backend()} device(s)",
+        "machine": f"{_cpu_name()}, {jax.device_count()} {jax.default_backend()} device(s)",
         "jax": jax.__version__,
         "rounds": args.steps,
         "runs": [measure(args.task, n, args.steps) for n in lengths],

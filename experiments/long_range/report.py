@@ -1,6 +1,6 @@
 """The long-range grid's tables and figure, from its committed records alone.
 
-  .venv/bin/python experiments/long_range/report.py
+  .venv/bin/python experiments/long_range/report.py [--collect experiments/long_range/runs/listops]
 
 Reads ``listops_results.jsonl`` (the sweep's results.jsonl, one row per run: the test
 accuracy of the checkpoint with the best validation accuracy) and ``cost.json``
@@ -12,6 +12,7 @@ class's share is counted from the seeded generator's test split (no data needed)
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -118,7 +119,24 @@ def draw(rows: dict[str, list[dict]], majority: float, path: Path) -> None:
     plt.close(fig)
 
 
+def collect(sweep: Path, out: Path) -> None:
+    """The sweep's rows into ``out``: results.jsonl once the sweep is done, else each
+    finished run's sweep_result.json, in the sweep's order of patterns and seeds."""
+    if (sweep / "results.jsonl").is_file():
+        out.write_text((sweep / "results.jsonl").read_text())
+        return
+    order = {spec: i for i, spec in enumerate(PATTERNS.values())}
+    rows = [json.loads(p.read_text()) for p in sweep.glob("*/seed*/sweep_result.json")]
+    rows.sort(key=lambda r: (order[r["overrides"]["model.attention_pattern"]], r["seed"]))
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--collect", default="", help="a sweep folder to read the rows from")
+    args = parser.parse_args()
+    if args.collect:
+        collect(Path(args.collect), HERE / "listops_results.jsonl")
     rows = load_rows(HERE / "listops_results.jsonl")
     cost = json.loads((HERE / "cost.json").read_text())
     majority = majority_share()
