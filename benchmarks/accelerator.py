@@ -30,7 +30,11 @@ the rows it did not reach are listed as such):
   and not), and XLA's plain dense kernel up to 16k. FLOPs count only the (query, key)
   pairs the pattern allows, 4 d per pair forward, x3.5 for forward+backward
   (FlashAttention-2's count: the backward pass is 2.5 forwards). Ratios: each
-  kernel's time over its reference's for the same pattern.
+  kernel's time over its reference's for the same pattern. The project's block-skipping
+  band kernel (sparse/band_gpu.py: causal and two-sided window, causal and dense), and
+  forward-only rows ("... fwd", FLOPs x1) of the causal window for cuDNN, tokamax and
+  the band kernel, which tell whether a kernel's forward or backward fails to skip.
+  ``--kernels`` picks rows by name.
 * ``decode``: cached greedy and beam-4 new tokens/s at batch 1 and 64 (source 32, 64
   new tokens, EOS never emitted so every row does the full work), ende_small and
   paper_base shapes.
@@ -361,6 +365,31 @@ def attention_kernels():
         out["tokamax local (two-sided)"] = (
             tk(local_window_size=(WINDOW, WINDOW)), band, "blocked local (two-sided)"
         )  # fmt: skip
+    # The block-skipping band kernel of our own (sparse/band_gpu.py, Triton on a GPU):
+    # each pattern against cuDNN where cuDNN computes it, the two-sided window against
+    # the blocked kernel (cuDNN has no such window).
+    out.update(
+        {
+            f"band {name}": (_band(pattern), pattern, ref)
+            for name, pattern, ref in (
+                ("local (causal)", local, "cudnn local (causal)"),
+                ("local (two-sided)", band, "blocked local (two-sided)"),
+                ("causal", P.Full().causal(), "cudnn causal"),
+                ("dense", P.Full(), "cudnn dense"),
+            )
+        }
+    )
+    # Forward passes alone, to tell which pass of a kernel skips the window's blocks.
+    out["cudnn local (causal) fwd"] = (out["cudnn local (causal)"][0], local, None)
+    out["band local (causal) fwd"] = (
+        out["band local (causal)"][0],
+        local,
+        "cudnn local (causal) fwd",
+    )
+    if tokamax is not None:
+        out["tokamax local (causal) fwd"] = (
+            out["tokamax local (causal)"][0], local, "cudnn local (causal) fwd"
+        )  # fmt: skip
     out.update({
         "blocked bigbird": (
             lambda q, k, v: sparse_attention(q, k, v, bigbird, block_size=64),
@@ -376,6 +405,13 @@ def attention_kernels():
         "xla dense": (lambda q, k, v: dot_product_attention(q, k, v), P.Full(), "cudnn dense"),
     })  # fmt: skip
     return out
+
+
+def _band(pattern):
+    from flaxformer_lite.sparse.band_gpu import band_attention, band_of
+
+    left, right = band_of(pattern)
+    return lambda q, k, v: band_attention(q, k, v, left=left, right=right)
 
 
 def _allowed_pairs(pattern, n: int) -> float:
@@ -401,12 +437,22 @@ def _rel_diff(mine, ref) -> float:
 
 
 def measure_attention(
-    tiny: bool, budget: Budget, max_len: int, lengths: list[int] | None = None
+    tiny: bool,
+    budget: Budget,
+    max_len: int,
+    lengths: list[int] | None = None,
+    only: list[str] | None = None,
 ) -> list[dict]:
+    """The attention rows; ``only``: the kernels named exactly so (default all)."""
     lengths = lengths or ([256, 512] if tiny else [1024, 4096, 16384, 65536])
     lengths = [n for n in lengths if n <= max_len]
     tokens = 1024 if tiny else TOKENS
     kernels = attention_kernels()
+    if only:
+        unknown = sorted(set(only) - set(kernels))
+        if unknown:  # e.g. tokamax's rows where it is not installed: the others still run
+            print(f"warning: --kernels {unknown} not here; kernels are {sorted(kernels)}")
+        kernels = {name: kernels[name] for name in kernels if name in only}
     refs = {ref for _, _, ref in kernels.values() if ref}
     rows = []
     for n in lengths:
@@ -424,17 +470,21 @@ def measure_attention(
                 continue
             try:
                 loss = lambda q, k, v, fn=fn, w=w: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)  # noqa: E731
-                step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                forward_only = name.endswith(" fwd")
+                step = jax.jit(
+                    loss if forward_only else jax.value_and_grad(loss, argnums=(0, 1, 2))
+                )
                 compiled = step.lower(q, k, v).compile()
                 mem = compiled.memory_analysis()
                 call = functools.partial(compiled, q, k, v)
                 res = jax.block_until_ready(call())
                 if name in refs:
                     results[name] = res
-                if name.startswith("tokamax") and ref in results:
+                if name.startswith(("tokamax", "band")) and ref in results and not forward_only:
                     row["max_rel_diff"] = _rel_diff(res, results[ref])
                 seconds = _timed_blocks(call, 3, 3)
-                useful = 3.5 * 4 * HEAD_DIM * HEADS * b * _allowed_pairs(pattern, n)
+                passes = 1.0 if forward_only else 3.5
+                useful = passes * 4 * HEAD_DIM * HEADS * b * _allowed_pairs(pattern, n)
                 peak_bytes = None
                 if mem is not None:
                     peak_bytes = (
@@ -609,6 +659,12 @@ def main() -> None:
     parser.add_argument(
         "--lengths", default="", help="attention lengths, comma-separated (default 1k,4k,16k,64k)"
     )
+    parser.add_argument(
+        "--kernels",
+        default="",
+        help='attention kernels by name, comma-separated (e.g. "cudnn dense,band dense"; '
+        "default all)",
+    )
     args = parser.parse_args()
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SECTIONS))
@@ -634,8 +690,9 @@ def main() -> None:
         _write(out, result)
     if "attention" in only:
         lengths = [int(x) for x in args.lengths.split(",") if x] if args.lengths else None
+        kernels = [x for x in args.kernels.split(",") if x] or None
         result["attention"] = measure_attention(
-            args.tiny, Budget(args.minutes), args.max_len, lengths
+            args.tiny, Budget(args.minutes), args.max_len, lengths, kernels
         )
         _write(out, result)
     if "decode" in only:

@@ -7,7 +7,9 @@
 #   benchmarks/gpu/lease.sh OUT [SECONDS_TOTAL=560] [TRAIN_MINUTES=2]
 #
 # BENCH_ARGS (default "--minutes 1.0") and TRAIN_ARGS (e.g. "--set train.batch_size=512")
-# go to the benchmark and the training run; BENCH_SECONDS (250) caps the benchmark;
+# go to the benchmark and the training run, split at spaces; BENCH_ROWS and BENCH_KERNELS
+# (comma-separated names that hold spaces) become the benchmark's --rows and --kernels;
+# TEST_ARGS go to pytest (e.g. "-k band"); BENCH_SECONDS (250) caps the benchmark;
 # SKIP="tests bench train" leaves steps out.
 set -uo pipefail
 out=${1:?usage: lease.sh OUT [SECONDS_TOTAL] [TRAIN_MINUTES]}; total=${2:-560}; train_min=${3:-2}
@@ -24,9 +26,12 @@ cat "$work/env.txt"
 ( JAX_PLATFORMS=cpu "$PY" -c "from flaxformer_lite.data.builders import build_local_dataset as b; b('ding_de_en')" > "$work/prepare.log" 2>&1 & )
 skip=" ${SKIP:-} "
 read -ra bench_args <<< "${BENCH_ARGS:---minutes 1.0}"
+[ -n "${BENCH_ROWS:-}" ] && bench_args+=(--rows "$BENCH_ROWS")
+[ -n "${BENCH_KERNELS:-}" ] && bench_args+=(--kernels "$BENCH_KERNELS")
+read -ra test_args <<< "${TEST_ARGS:-}"
 read -ra train_args <<< "${TRAIN_ARGS:-}"
-[[ $skip == *" tests "* ]] || { echo "== tests ($(left) s left)"; timeout 150 benchmarks/gpu/run.sh tests "$work"; }
-[[ $skip == *" bench "* ]] || { echo "== bench ($(left) s left)"; timeout "${BENCH_SECONDS:-250}" benchmarks/gpu/run.sh bench "$work" "${bench_args[@]}"; }
+[[ $skip == *" tests "* ]] || { echo "== tests ($(left) s left)"; timeout 150 benchmarks/gpu/run.sh tests "$work" "${test_args[@]}"; }
+[[ $skip == *" bench "* ]] || { echo "== bench ($(left) s left)"; timeout "${BENCH_SECONDS:-250}" benchmarks/gpu/run.sh bench "$work" "${bench_args[@]}" 2>&1 | tee "$work/bench.log"; }
 [[ $skip == *" train "* ]] || { echo "== train ($(left) s left)"; timeout $(( $(left) - 15 )) benchmarks/gpu/run.sh train "$work" --minutes "$train_min" "${train_args[@]}"; }
 tar czf "$out/results.tgz" -C "$work" . ; cp "$work"/*.md "$work/env.txt" "$out"/ 2>/dev/null
 echo "== done in $(( $(date +%s) - start )) s"; ls "$out"

@@ -1,0 +1,297 @@
+"""Band attention for GPUs that visits only the key blocks a window reaches.
+
+  out_i = sum_{j : -right <= i - j <= left} softmax_j(q_i . k_j * scale) v_j
+
+``left = right = w`` is :class:`~flaxformer_lite.sparse.patterns.Local` ``(w)`` (an
+encoder's window), ``left = w, right = 0`` its causal form, ``left = right = n`` dense
+and ``left = n, right = 0`` causal dense. Three Pallas kernels (lowered by Triton on a
+GPU, run by Pallas' interpreter elsewhere) make a flash-attention forward and backward
+whose key loop (forward, dq) and query loop (dk, dv) run over the blocks that hold an
+allowed pair and no others, so a window of w costs O(n w), not O(n^2), in both passes.
+
+Why a kernel of our own: the blocked kernel (:mod:`flaxformer_lite.sparse.blocked`)
+gathers key blocks in XLA and is 7x slower than cuDNN's causal window on an H200;
+cuDNN computes no two-sided window; tokamax's Mosaic-GPU kernel bounds the forward's
+key loop but its backward visits every block (experiments/performance/gpu). Here the
+bounds of each query block's key range are two integers computed from the block index,
+so the loop is short and nothing is gathered.
+
+Layout ``[b, n, h, d]`` like the rest of the package; ``n`` is padded to a multiple of
+the block (padded keys are masked); float32 accumulation in both passes, inputs in
+their own dtype (bfloat16 for the tensor cores). No segment ids or padding masks: a
+band over one sequence per row (what the benchmark measures); the model's paths take
+packing through the blocked or cuDNN kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Array = jax.Array
+
+_NEG = -1e30  # a masked logit: finite, so a row whose first block is all masked stays finite
+
+
+def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
+    """Triton's launch parameters (only on a GPU; the interpreter takes none)."""
+    if interpret:
+        return None
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _allowed(q_first, k_first, shape, left: int, right: int, n: int) -> Array:
+    """[bq, bk] bool: the pairs of a (query block, key block) tile the band allows."""
+    qpos = q_first + jnp.arange(shape[0], dtype=jnp.int32)[:, None]
+    kpos = k_first + jnp.arange(shape[1], dtype=jnp.int32)[None, :]
+    d = qpos - kpos
+    return (d <= left) & (d >= -right) & (kpos < n)
+
+
+def _key_blocks(i, bq: int, bk: int, left: int, right: int, n: int):
+    """[lo, hi): the key blocks query block i reaches."""
+    first = i * bq
+    lo = jnp.maximum(first - left, 0) // bk
+    hi = jnp.minimum(first + bq - 1 + right, n - 1) // bk + 1
+    return lo, hi
+
+
+def _query_blocks(j, bq: int, bk: int, left: int, right: int, n: int):
+    """[lo, hi): the query blocks that reach key block j."""
+    first = j * bk
+    lo = jnp.maximum(first - right, 0) // bq
+    hi = jnp.minimum(first + bk - 1 + left, n - 1) // bq + 1
+    return lo, hi
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, left, right, n, bk):
+    i = pl.program_id(0)
+    bq = q_ref.shape[0]
+    q = q_ref[...]
+
+    def body(j, carry):
+        acc, m, l = carry
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        s = plgpu.dot(q, k.T) * scale
+        ok = _allowed(i * bq, start, s.shape, left, right, n)
+        s = jnp.where(ok, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    lo, hi = _key_blocks(i, bq, bk, left, right, n)
+    init = (
+        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
+        jnp.full((bq,), _NEG, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    l_safe = jnp.where(l > 0, l, 1.0)  # padded query rows see no key
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l_safe)
+
+
+def _dkdv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, left, right, n, bq
+):
+    j = pl.program_id(0)
+    bk = k_ref.shape[0]
+    k, v = k_ref[...], v_ref[...]
+
+    def body(i, carry):
+        dk, dv = carry
+        start = pl.multiple_of(i * bq, bq)
+        q = q_ref[pl.ds(start, bq), :]
+        do = do_ref[pl.ds(start, bq), :]
+        lse = lse_ref[pl.ds(start, bq)]
+        delta = delta_ref[pl.ds(start, bq)]
+        s = plgpu.dot(q, k.T) * scale
+        ok = _allowed(start, j * bk, s.shape, left, right, n)
+        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+        dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
+        dp = plgpu.dot(do, v.T)
+        ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
+        dk = dk + plgpu.dot(ds.T, q)
+        return dk, dv
+
+    lo, hi = _query_blocks(j, bq, bk, left, right, n)
+    init = (
+        jnp.zeros((bk, k_ref.shape[-1]), jnp.float32),
+        jnp.zeros((bk, v_ref.shape[-1]), jnp.float32),
+    )
+    dk, dv = lax.fori_loop(lo, hi, body, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, left, right, n, bk
+):
+    i = pl.program_id(0)
+    bq = q_ref.shape[0]
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+
+    def body(j, dq):
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        s = plgpu.dot(q, k.T) * scale
+        ok = _allowed(i * bq, start, s.shape, left, right, n)
+        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+        dp = plgpu.dot(do, v.T)
+        ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
+        return dq + plgpu.dot(ds, k)
+
+    lo, hi = _key_blocks(i, bq, bk, left, right, n)
+    dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _rows(x: Array, block: int) -> tuple[Array, int]:
+    """[b, n, h, d] -> [b*h, m, d] with m the next multiple of block (zeros appended)."""
+    b, n, h, d = x.shape
+    m = -(-n // block) * block
+    x = jnp.swapaxes(x, 1, 2).reshape(b * h, n, d)
+    return jnp.pad(x, ((0, 0), (0, m - n), (0, 0))), m
+
+
+def _specs(m: int):
+    """BlockSpecs of one tile of ``rows`` rows and of a whole row, for grid (tiles, b*h)."""
+
+    def tile(rows, d):
+        return pl.BlockSpec((None, rows, d), lambda t, r: (r, t, 0))
+
+    def whole(d):
+        return pl.BlockSpec((None, m, d), lambda t, r: (r, 0, 0))
+
+    return tile, whole
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _band(q, k, v, left, right, scale, n, bq, bk, interpret):
+    return _band_fwd(q, k, v, left, right, scale, n, bq, bk, interpret)[0]
+
+
+def _band_fwd(q, k, v, left, right, scale, n, bq, bk, interpret):
+    bh, m, d = q.shape
+    tile, whole = _specs(m)
+    kernel = functools.partial(_forward_kernel, scale=scale, left=left, right=right, n=n, bk=bk)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(m // bq, bh),
+        in_specs=[tile(bq, d), whole(d), whole(v.shape[-1])],
+        out_specs=[tile(bq, v.shape[-1]), pl.BlockSpec((None, bq), lambda t, r: (r, t))],
+        out_shape=[
+            jax.ShapeDtypeStruct((bh, m, v.shape[-1]), q.dtype),
+            jax.ShapeDtypeStruct((bh, m), jnp.float32),
+        ],
+        compiler_params=_compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name="band_attention_forward",
+    )(q, k, v)
+    return out, (q, k, v, out, lse)
+
+
+def _band_bwd(left, right, scale, n, bq, bk, interpret, res, g):
+    q, k, v, out, lse = res
+    bh, m, d = q.shape
+    dv_dim = v.shape[-1]
+    delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+    g = g.astype(q.dtype)
+    tile, whole = _specs(m)
+    whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
+    tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
+    common = dict(scale=scale, left=left, right=right, n=n)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, bq=bq, **common),
+        grid=(m // bk, bh),
+        in_specs=[whole(d), tile(bk, d), tile(bk, dv_dim), whole(dv_dim), whole_vec, whole_vec],
+        out_specs=[tile(bk, d), tile(bk, dv_dim)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name="band_attention_dkdv",
+    )(q, k, v, g, lse, delta)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, bk=bk, **common),
+        grid=(m // bq, bh),
+        in_specs=[tile(bq, d), whole(d), whole(dv_dim), tile(bq, dv_dim), tile_vec, tile_vec],
+        out_specs=tile(bq, d),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name="band_attention_dq",
+    )(q, k, v, g, lse, delta)
+    return dq, dk, dv
+
+
+_band.defvjp(_band_fwd, _band_bwd)
+
+
+def band_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    left: int,
+    right: int,
+    scale: float | None = None,
+    block_q: int = 64,
+    block_k: int = 64,
+    interpret: bool | None = None,
+) -> Array:
+    """``[b, n, h, d] x3 -> [b, n, h, dv]``: query i attends to keys j with
+    ``-right <= i - j <= left`` (see the module docstring for the patterns this covers).
+
+    Args:
+      left, right: how far back and ahead a query sees (>= 0; ``n`` or more = no bound).
+      scale: logit scale; default ``1/sqrt(d)``.
+      block_q, block_k: tile sizes (powers of two, >= 16 for the tensor cores); the key
+        blocks visited per query block are ``(left + right + block_q) / block_k + 1`` at most.
+      interpret: run through Pallas' interpreter; default: everywhere but on a GPU.
+    """
+    b, n, h, d = query.shape
+    if key.shape[:3] != (b, n, h) or value.shape[:3] != (b, n, h):
+        raise ValueError(
+            f"band_attention is self-attention over one length: query {query.shape}, key "
+            f"{key.shape}, value {value.shape}; pass [b, n, h, d] arrays of one b, n, h"
+        )
+    if left < 0 or right < 0:
+        raise ValueError(f"band_attention: left={left}, right={right} must be >= 0")
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk < 16 or blk & (blk - 1):
+            raise ValueError(f"band_attention: {name}={blk} must be a power of two >= 16")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    block = max(block_q, block_k)
+    (q, m), (k, _), (v, _) = (_rows(x, block) for x in (query, key, value))
+    left, right = min(left, n), min(right, n)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    out = _band(q, k, v, left, right, scale, n, block_q, block_k, bool(interpret))
+    return jnp.swapaxes(out[:, :n].reshape(b, h, n, -1), 1, 2)
+
+
+def band_of(pattern) -> tuple[int, int]:
+    """(left, right) of a Local pattern (causal or not) or of Full (causal or not), for
+    :func:`band_attention`; a ValueError naming the pattern for anything else."""
+    name = type(pattern).__name__
+    big = 1 << 30
+    if name == "Local":
+        return pattern.window, 0 if pattern.is_causal else pattern.window
+    if name == "Full":
+        return big, 0 if pattern.is_causal else big
+    raise ValueError(
+        f"band_attention computes bands (local windows and dense), not {pattern!r}; "
+        "use the blocked kernel (flaxformer_lite.sparse.blocked) for other patterns"
+    )

@@ -1,0 +1,161 @@
+"""The block-skipping band kernel (sparse/band_gpu.py): values and gradients against a
+float64 dense reference with the band's mask, through Pallas' interpreter on CPU and
+compiled by Triton on a GPU (marked gpu); and its loop bounds, which are the point of
+the kernel: every block they skip holds no allowed pair, every block they visit holds one."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.band_gpu import _key_blocks, _query_blocks, band_attention, band_of
+
+
+def _reference(q, k, v, left, right):
+    """float64 dense attention with the band as a mask."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    n, d = q.shape[1], q.shape[-1]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    gap = np.arange(n)[:, None] - np.arange(n)[None]
+    s = np.where((gap <= left) & (gap >= -right), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+
+def _grads(fn, q, k, v, w):
+    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
+
+
+def _rel(x, y):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return np.linalg.norm(x - y) / np.linalg.norm(y)
+
+
+def _case(dtype, b, n, h, d, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return [jax.random.normal(x, (b, n, h, d), jnp.float32).astype(dtype) for x in keys]
+
+
+def _check(q, k, v, w, left, right, tol, **blocks):
+    """Values and dq, dk, dv within tol (relative, Frobenius) of float64; the reference's
+    gradients come from jax under x64 of the same masked dense formula."""
+    got = band_attention(q, k, v, left=left, right=right, **blocks)
+    assert _rel(got, _reference(q, k, v, left, right)) < tol
+
+    def dense64(q, k, v):
+        n, d = q.shape[1], q.shape[-1]
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+        gap = np.arange(n)[:, None] - np.arange(n)[None]
+        s = jnp.where((gap <= left) & (gap >= -right), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    mine = _grads(lambda *a: band_attention(*a, left=left, right=right, **blocks), q, k, v, w)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, w)]
+        want = _grads(dense64, *f64[:3], f64[3])
+    for g, r in zip(mine, want, strict=True):
+        assert _rel(g, r) < tol
+
+
+# On CPU the kernel runs in float32 through the interpreter: the only differences from
+# float64 are float32 rounding (observed 2e-7 to 5e-7 of the largest value; the bound is
+# 1e-5, 80 float32 epsilons, for the accumulation order of another machine).
+@pytest.mark.parametrize(
+    "left,right", [(24, 24), (24, 0)], ids=["two-sided window", "causal window"]
+)
+def test_band_matches_float64_reference(left, right):
+    # n = 100 is no multiple of the blocks (padded keys must stay masked); unequal blocks.
+    q, k, v, w = _case(jnp.float32, 2, 100, 2, 16)
+    _check(q, k, v, w, left, right, 1e-5, block_q=32, block_k=16)
+
+
+def test_dense_and_causal_are_bands():
+    """Full patterns as bands of width n, the values against float64."""
+    q, k, v, _ = _case(jnp.float32, 1, 48, 2, 16, seed=1)
+    for pattern in (P.Full(), P.Full().causal()):
+        left, right = band_of(pattern)
+        got = band_attention(q, k, v, left=left, right=right, block_q=16, block_k=16)
+        assert _rel(got, _reference(q, k, v, min(left, 48), min(right, 48))) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "n,bq,bk,left,right",
+    [(1000, 64, 32, 100, 100), (1000, 32, 64, 256, 0), (96, 16, 16, 3, 40), (640, 128, 64, 0, 0)],
+)
+def test_loops_visit_exactly_the_blocks_with_allowed_pairs(n, bq, bk, left, right):
+    gap = np.arange(n)[:, None] - np.arange(n)[None]
+    allowed = (gap <= left) & (gap >= -right)
+    m = -(-n // max(bq, bk)) * max(bq, bk)
+    padded = np.zeros((m, m), bool)
+    padded[:n, :n] = allowed
+    tiles = padded.reshape(m // bq, bq, m // bk, bk).any(axis=(1, 3))  # [q blocks, k blocks]
+    for i in range(m // bq):
+        lo, hi = (int(x) for x in _key_blocks(i, bq, bk, left, right, n))
+        visited = np.zeros(m // bk, bool)
+        visited[lo:hi] = True
+        # a query block past n (padding) visits something harmless or nothing
+        if i * bq < n:
+            np.testing.assert_array_equal(visited, tiles[i], err_msg=f"query block {i}")
+    for j in range(m // bk):
+        lo, hi = (int(x) for x in _query_blocks(j, bq, bk, left, right, n))
+        visited = np.zeros(m // bq, bool)
+        visited[lo:hi] = True
+        if j * bk < n:
+            np.testing.assert_array_equal(visited, tiles[:, j], err_msg=f"key block {j}")
+
+
+def test_bad_arguments_are_named():
+    q = jnp.zeros((1, 32, 1, 16))
+    with pytest.raises(ValueError, match="block_q=48"):
+        band_attention(q, q, q, left=4, right=4, block_q=48)
+    with pytest.raises(ValueError, match="left=-1"):
+        band_attention(q, q, q, left=-1, right=0)
+    with pytest.raises(ValueError, match="blocked kernel"):
+        band_of(P.bigbird(block_size=16, window_blocks=3, global_blocks=1, random_blocks=1))
+
+
+# On a GPU: compiled by Triton, bfloat16 inputs with float32 accumulation, at a size
+# where the loop bounds matter (n = 2048, window 256: 5 of 32 key blocks per query
+# block). bfloat16 rounds inputs and probabilities by up to 2^-8 relative; the observed
+# error of a fused kernel against float64 is ~0.5 of that, the bound 4 * 2^-8 as for
+# cuDNN in test_kernels.py.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "left,right", [(256, 256), (256, 0), (1 << 30, 0)], ids=["two-sided", "causal window", "causal"]
+)
+def test_band_on_gpu_bfloat16(left, right):
+    q, k, v, w = _case(jnp.bfloat16, 2, 2048, 4, 64)
+    _check(q, k, v, w.astype(jnp.float32), left, right, 4 * 2.0**-8)
+
+
+def test_kernels_lower_to_triton():
+    """The three kernels lower to Triton's IR here, without a GPU (jax.export for the
+    cuda platform runs the same lowering a GPU's jit does), so a construct Triton cannot
+    express fails on CPU, not on a lease."""
+    from jax import export
+
+    def loss(q, k, v):
+        return jnp.sum(band_attention(q, k, v, left=64, right=0, interpret=False))
+
+    x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    target = contextlib.nullcontext()
+    if hasattr(jax.sharding, "AbstractDevice"):  # jax >= 0.11 asks which GPU to lower for
+        h100 = jax.sharding.AbstractDevice(
+            device_kind="NVIDIA H100", num_cores=None, platform="cuda"
+        )
+        target = jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+        )
+    with target:
+        exported = export.export(
+            jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
+            platforms=["cuda"],
+            disabled_checks=[triton],
+        )(x, x, x)
+    text = exported.mlir_module()
+    for name in ("band_attention_forward", "band_attention_dkdv", "band_attention_dq"):
+        assert f'name = "{name}"' in text
