@@ -14,15 +14,29 @@ from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.band_gpu import _key_blocks, _query_blocks, band_attention, band_of
 
 
-def _reference(q, k, v, left, right):
-    """float64 dense attention with the band as a mask."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    n, d = q.shape[1], q.shape[-1]
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+def _mask(n, left, right, segments=None):
+    """[b or 1, 1, n, n]: the band, and with segments the same example, not padding."""
     gap = np.arange(n)[:, None] - np.arange(n)[None]
-    s = np.where((gap <= left) & (gap >= -right), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+    mask = ((gap <= left) & (gap >= -right))[None, None]
+    if segments is not None:
+        seg = np.asarray(segments)
+        mask = mask & ((seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0))[:, None]
+    return mask
+
+
+def _dense(q, k, v, mask, xp):
+    """Masked dense attention in q's precision; a row with no allowed key gives 0."""
+    s = xp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = xp.where(mask, s, -1e30)
+    p = xp.where(mask, xp.exp(s - s.max(-1, keepdims=True)), 0.0)
+    p = p / xp.maximum(p.sum(-1, keepdims=True), 1e-300)
+    return xp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _reference(q, k, v, left, right, segments=None):
+    """float64 dense attention with the band (and segments) as a mask."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    return _dense(q, k, v, _mask(q.shape[1], left, right, segments), np)
 
 
 def _grads(fn, q, k, v, w):
@@ -39,23 +53,20 @@ def _case(dtype, b, n, h, d, seed=0):
     return [jax.random.normal(x, (b, n, h, d), jnp.float32).astype(dtype) for x in keys]
 
 
-def _check(q, k, v, w, left, right, tol, **blocks):
+def _check(q, k, v, w, left, right, tol, segments=None, **blocks):
     """Values and dq, dk, dv within tol (relative, Frobenius) of float64; the reference's
-    gradients come from jax under x64 of the same masked dense formula."""
-    got = band_attention(q, k, v, left=left, right=right, **blocks)
-    assert _rel(got, _reference(q, k, v, left, right)) < tol
-
-    def dense64(q, k, v):
-        n, d = q.shape[1], q.shape[-1]
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-        gap = np.arange(n)[:, None] - np.arange(n)[None]
-        s = jnp.where((gap <= left) & (gap >= -right), s, -jnp.inf)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
-
-    mine = _grads(lambda *a: band_attention(*a, left=left, right=right, **blocks), q, k, v, w)
+    gradients come from jax under x64 of the same masked dense formula. Padding queries
+    (segment 0) must give exactly 0."""
+    kw = dict(left=left, right=right, segments=segments, **blocks)
+    got = band_attention(q, k, v, **kw)
+    assert _rel(got, _reference(q, k, v, left, right, segments)) < tol
+    if segments is not None:
+        assert not np.any(np.asarray(got, np.float32)[np.asarray(segments) == 0])
+    mask = _mask(q.shape[1], left, right, segments)
+    mine = _grads(lambda *a: band_attention(*a, **kw), q, k, v, w)
     with jax.enable_x64(True):
         f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, w)]
-        want = _grads(dense64, *f64[:3], f64[3])
+        want = _grads(lambda *a: _dense(*a, mask, jnp), *f64[:3], f64[3])
     for g, r in zip(mine, want, strict=True):
         assert _rel(g, r) < tol
 
@@ -70,6 +81,16 @@ def test_band_matches_float64_reference(left, right):
     # n = 100 is no multiple of the blocks (padded keys must stay masked); unequal blocks.
     q, k, v, w = _case(jnp.float32, 2, 100, 2, 16)
     _check(q, k, v, w, left, right, 1e-5, block_q=32, block_k=16)
+
+
+def test_packed_rows_and_padding():
+    """Two examples per row, then padding (id 0), and a head size of 24 (padded to 32
+    inside): no query sees another example or padding, and padding gives zeros."""
+    q, k, v, w = _case(jnp.float32, 2, 80, 2, 24, seed=2)
+    seg = np.zeros((2, 80), np.int32)
+    seg[0, :30], seg[0, 30:70] = 1, 2
+    seg[1, :50], seg[1, 50:64] = 1, 2
+    _check(q, k, v, w, 20, 20, 1e-5, segments=jnp.asarray(seg), block_q=16, block_k=32)
 
 
 def test_dense_and_causal_are_bands():
@@ -137,8 +158,12 @@ def test_kernels_lower_to_triton():
     express fails on CPU, not on a lease."""
     from jax import export
 
+    seg = jnp.ones((1, 256), jnp.int32)
+
     def loss(q, k, v):
-        return jnp.sum(band_attention(q, k, v, left=64, right=0, interpret=False))
+        plain = band_attention(q, k, v, left=64, right=0, interpret=False)
+        packed = band_attention(q, k, v, left=64, right=64, segments=seg, interpret=False)
+        return jnp.sum(plain) + jnp.sum(packed)
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -158,4 +183,13 @@ def test_kernels_lower_to_triton():
         )(x, x, x)
     text = exported.mlir_module()
     for name in ("band_attention_forward", "band_attention_dkdv", "band_attention_dq"):
-        assert f'name = "{name}"' in text
+        assert text.count(f'name = "{name}"') == 2  # without and with segment ids
+
+
+@pytest.mark.gpu
+def test_band_on_gpu_packed_rows():
+    """Segment ids on the GPU: three examples per row and padding, window 128."""
+    q, k, v, w = _case(jnp.bfloat16, 2, 1024, 4, 64, seed=3)
+    seg = np.zeros((2, 1024), np.int32)
+    seg[:, :300], seg[:, 300:700], seg[:, 700:1000] = 1, 2, 3
+    _check(q, k, v, w.astype(jnp.float32), 128, 128, 4 * 2.0**-8, segments=jnp.asarray(seg))

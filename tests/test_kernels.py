@@ -12,7 +12,7 @@ import pytest
 
 from flaxformer_lite import LanguageModel, ModelConfig, Transformer
 from flaxformer_lite.config.model import ConfigError
-from flaxformer_lite.model import kernels
+from flaxformer_lite.model import head_groups, kernels
 from flaxformer_lite.model.head_groups import masked_dense_attention
 from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.sparse import patterns as P
@@ -182,7 +182,7 @@ def test_cudnn_windows_are_left_only():
     assert kernels.cudnn_window(P.Local(16).causal()) == (True, 16)
     assert kernels.cudnn_window(P.Full()) == (False, None)
     assert kernels.cudnn_computes(P.Local(16).causal())
-    assert not kernels.cudnn_computes(P.Local(16))  # two-sided: the blocked kernel runs it
+    assert not kernels.cudnn_computes(P.Local(16))  # two-sided: the band kernel runs it
     with pytest.raises(ValueError, match="not Dilated"):
         kernels.cudnn_computes(P.Dilated(4, 2))
 
@@ -366,10 +366,18 @@ def test_the_language_model_with_fused_sparse_kernels(request, impl, pattern):
     )  # fmt: skip
 
 
-def test_a_two_sided_window_runs_on_the_blocked_kernel_under_cudnn(on_cpu_anyway):
+def test_a_two_sided_window_runs_on_the_band_kernel_under_cudnn(on_cpu_anyway, monkeypatch):
     """local:window=w in the encoder is two-sided, which cuDNN cannot compute: that head
-    group runs on the blocked kernel (exact float32; the causal decoder's cuDNN path is
-    checked by the language model's test above)."""
+    group runs on the band kernel (sparse/band_gpu.py, through Pallas' interpreter here;
+    float32, so the same values as the blocked kernel to float32 rounding; the causal
+    decoder's cuDNN path is checked by the language model's test above)."""
+    from flaxformer_lite.sparse import band_gpu
+
+    calls = []
+    monkeypatch.setattr(
+        head_groups, "band_attention",
+        lambda *a, **kw: calls.append(kw) or band_gpu.band_attention(*a, **kw),
+    )  # fmt: skip
     config = BASE.replace(attention_pattern="local:window=4", attention_block_size=16)
     src = jnp.array([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 1, 0, 0, 0, 0]])
     tgt = jnp.array([[12, 13, 14, 15, 16, 17, 18, 19, 20, 1, 0, 0, 0, 0, 0, 0]])
@@ -377,10 +385,11 @@ def test_a_two_sided_window_runs_on_the_blocked_kernel_under_cudnn(on_cpu_anyway
     params = unbox(model.init(jax.random.key(0), src, tgt))["params"]
     encoded = lambda m: m.apply({"params": params}, src, method=Transformer.encode)  # noqa: E731
     real = np.asarray(src != 0)
-    np.testing.assert_allclose(  # the encoder: the blocked kernel, same float32 values
+    np.testing.assert_allclose(  # the encoder: the band kernel, same float32 values
         np.asarray(encoded(model))[real], np.asarray(encoded(Transformer(config)))[real],
         rtol=1e-5, atol=1e-5,
     )  # fmt: skip
+    assert calls and all(kw["interpret"] and kw["segments"] is not None for kw in calls)
 
 
 def test_a_kernel_off_its_platform_says_what_to_pick():

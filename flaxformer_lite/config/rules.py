@@ -81,7 +81,7 @@ def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
     if type(pattern) is P.Local:
         raise ValueError(
             f"cuDNN's sliding window is left-only (causal), and Local(window={pattern.window}) "
-            "is two-sided; it runs on the blocked kernel"
+            "is two-sided; it runs on the band kernel (sparse/band_gpu.py)"
         )
     raise ValueError(
         f"attention_impl=cudnn computes dense, causal and local-window attention, not "
@@ -91,7 +91,7 @@ def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
 
 def cudnn_computes(pattern: P.Pattern) -> bool:
     """True if cuDNN's kernel computes ``pattern``; False for a two-sided Local band (the
-    model runs that head group on the blocked kernel); ValueError for anything else."""
+    model runs that head group on the band kernel); ValueError for anything else."""
     if type(pattern) is P.Local and not pattern.is_causal:
         return False
     cudnn_window(pattern)

@@ -19,6 +19,7 @@ from flaxformer_lite.config.model import ATTENTION_IMPLS
 from flaxformer_lite.model import kernels
 from flaxformer_lite.model.attention import attention_weights, dot_product_attention
 from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.band_gpu import band_attention
 from flaxformer_lite.sparse.blocked import sparse_attention
 from flaxformer_lite.sparse.online_softmax import segment_mask
 from flaxformer_lite.sparse.spec import PatternSpecError
@@ -43,8 +44,10 @@ def multihead_sparse_attention(
     """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
 
     ``impl=cudnn`` runs the groups cuDNN computes on it and a two-sided Local band on
-    the blocked kernel (cuDNN's window is left-only); ``packed``: rows hold several
-    examples (``segments`` from the batch's segmentation), for cuDNN's packed layout."""
+    the project's band kernel (:mod:`flaxformer_lite.sparse.band_gpu`, which skips the
+    key blocks outside the window as cuDNN's left-only window does); ``packed``: rows
+    hold several examples (``segments`` from the batch's segmentation), for cuDNN's
+    packed layout."""
     h = query.shape[2]
     per = h // len(patterns)
     outs = []
@@ -61,6 +64,14 @@ def multihead_sparse_attention(
                     q, k, v, pattern=pattern, q_segments=segments, packed=packed, scale=scale
                 )
             )
+        elif impl == "cudnn" and type(pattern) is P.Local:  # two-sided: not cuDNN's
+            interpret = kernels.platform_mode("cudnn") != "cudnn"  # CPU: the interpreter
+            outs.append(
+                band_attention(
+                    q, k, v, left=pattern.window, right=pattern.window, scale=scale,
+                    segments=segments, interpret=interpret,
+                )
+            )  # fmt: skip
         elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
             outs.append(
                 topk_attention(

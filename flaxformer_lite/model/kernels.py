@@ -3,7 +3,8 @@
 * ``cudnn``: cuDNN's fused flash-attention kernel on NVIDIA GPUs (through
   ``jax.nn.dot_product_attention``, and jax's cuDNN module for packed rows) for dense,
   causal and causal local-window attention (``attention_pattern`` dense, ``full`` or
-  ``local:window=w``, per head group; a two-sided window runs on the blocked kernel).
+  ``local:window=w``, per head group; a two-sided window runs on the project's band
+  kernel, :mod:`flaxformer_lite.sparse.band_gpu`, which skips blocks as cuDNN does).
   Its limits and how each is met are listed above :class:`CudnnCall`.
 * ``splash``: TPU splash attention (Pallas) for any of the project's sparse
   patterns: ``Full`` -> ``FullMask``/``CausalMask``, ``Local`` -> ``LocalMask``,
@@ -77,7 +78,7 @@ def platform_mode(impl: str):
 # * windows: cuDNN's sliding window is left-only (keys i-w..i) and so implies
 #   causality: a causal Local(w) pattern runs on cuDNN, a non-causal one cannot, and
 #   ``cudnn_computes`` (config/rules.py, the table of what each kernel supports) sends
-#   it to the project's blocked kernel instead.
+#   it to the project's band kernel (sparse/band_gpu.py: Triton on a GPU) instead.
 # * head size: a multiple of 8 and at most 256 (Hopper; 128 before it): a config rule.
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

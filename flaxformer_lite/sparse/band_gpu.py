@@ -17,10 +17,11 @@ bounds of each query block's key range are two integers computed from the block 
 so the loop is short and nothing is gathered.
 
 Layout ``[b, n, h, d]`` like the rest of the package; ``n`` is padded to a multiple of
-the block (padded keys are masked); float32 accumulation in both passes, inputs in
-their own dtype (bfloat16 for the tensor cores). No segment ids or padding masks: a
-band over one sequence per row (what the benchmark measures); the model's paths take
-packing through the blocked or cuDNN kernels.
+the block (padded keys are masked) and the head size to a power of two; float32
+accumulation in both passes, inputs in their own dtype (bfloat16 for the tensor cores).
+Optional segment ids (packed rows, padding = 0) as in the blocked kernel. The model
+runs it for a two-sided ``local:window=w`` head group under ``attention_impl=cudnn``
+(cuDNN's own window is left-only); the benchmark calls it directly.
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _allowed(q_first, k_first, shape, left: int, right: int, n: int) -> Array:
-    """[bq, bk] bool: the pairs of a (query block, key block) tile the band allows."""
+def _allowed(q_first, k_first, shape, left: int, right: int, n: int, segs=None) -> Array:
+    """[bq, bk] bool: the pairs of a (query block, key block) tile the band allows, and,
+    with ``segs`` = (query ids [bq], key ids [bk]), the same example and not padding."""
     qpos = q_first + jnp.arange(shape[0], dtype=jnp.int32)[:, None]
     kpos = k_first + jnp.arange(shape[1], dtype=jnp.int32)[None, :]
     d = qpos - kpos
-    return (d <= left) & (d >= -right) & (kpos < n)
+    ok = (d <= left) & (d >= -right) & (kpos < n)
+    if segs is not None:
+        qs, ks = segs
+        ok = ok & (qs[:, None] == ks[None, :]) & (ks[None, :] != 0)
+    return ok
 
 
 def _key_blocks(i, bq: int, bk: int, left: int, right: int, n: int):
@@ -70,10 +76,15 @@ def _query_blocks(j, bq: int, bk: int, left: int, right: int, n: int):
     return lo, hi
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, left, right, n, bk):
+def _forward_kernel(*refs, scale, left, right, n, bk, segmented):
+    if segmented:
+        q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref = refs, None
     i = pl.program_id(0)
     bq = q_ref.shape[0]
     q = q_ref[...]
+    qs = None if qs_ref is None else qs_ref[...]
 
     def body(j, carry):
         acc, m, l = carry
@@ -81,7 +92,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, left, right, 
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         s = plgpu.dot(q, k.T) * scale
-        ok = _allowed(i * bq, start, s.shape, left, right, n)
+        segs = None if qs is None else (qs, ks_ref[pl.ds(start, bk)])
+        ok = _allowed(i * bq, start, s.shape, left, right, n, segs)
         s = jnp.where(ok, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
@@ -101,12 +113,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, left, right, 
     lse_ref[...] = m + jnp.log(l_safe)
 
 
-def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, left, right, n, bq
-):
+def _dkdv_kernel(*refs, scale, left, right, n, bq, segmented):
+    if segmented:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref), qs_ref = refs, None
     j = pl.program_id(0)
     bk = k_ref.shape[0]
     k, v = k_ref[...], v_ref[...]
+    ks = None if qs_ref is None else ks_ref[...]
 
     def body(i, carry):
         dk, dv = carry
@@ -116,7 +131,8 @@ def _dkdv_kernel(
         lse = lse_ref[pl.ds(start, bq)]
         delta = delta_ref[pl.ds(start, bq)]
         s = plgpu.dot(q, k.T) * scale
-        ok = _allowed(start, j * bk, s.shape, left, right, n)
+        segs = None if ks is None else (qs_ref[pl.ds(start, bq)], ks)
+        ok = _allowed(start, j * bk, s.shape, left, right, n, segs)
         p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
         dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
         dp = plgpu.dot(do, v.T)
@@ -134,20 +150,24 @@ def _dkdv_kernel(
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, left, right, n, bk
-):
+def _dq_kernel(*refs, scale, left, right, n, bk, segmented):
+    if segmented:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref = refs, None
     i = pl.program_id(0)
     bq = q_ref.shape[0]
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
+    qs = None if qs_ref is None else qs_ref[...]
 
     def body(j, dq):
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         s = plgpu.dot(q, k.T) * scale
-        ok = _allowed(i * bq, start, s.shape, left, right, n)
+        segs = None if qs is None else (qs, ks_ref[pl.ds(start, bk)])
+        ok = _allowed(i * bq, start, s.shape, left, right, n, segs)
         p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
         dp = plgpu.dot(do, v.T)
         ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
@@ -178,19 +198,37 @@ def _specs(m: int):
     return tile, whole
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
-def _band(q, k, v, left, right, scale, n, bq, bk, interpret):
-    return _band_fwd(q, k, v, left, right, scale, n, bq, bk, interpret)[0]
+def _segment_specs(segs, bh: int, m: int):
+    """Specs of the ``[b, m]`` segment ids for grid (tiles, b*h): a tile of a row, and
+    the whole row, of the batch row r // h."""
+    h = bh // segs.shape[0]
+
+    def tile(rows):
+        return pl.BlockSpec((None, rows), lambda t, r: (r // h, t))
+
+    return tile, pl.BlockSpec((None, m), lambda t, r: (r // h, 0))
 
 
-def _band_fwd(q, k, v, left, right, scale, n, bq, bk, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _band(q, k, v, segs, left, right, scale, n, bq, bk, interpret):
+    return _band_fwd(q, k, v, segs, left, right, scale, n, bq, bk, interpret)[0]
+
+
+def _band_fwd(q, k, v, segs, left, right, scale, n, bq, bk, interpret):
     bh, m, d = q.shape
     tile, whole = _specs(m)
-    kernel = functools.partial(_forward_kernel, scale=scale, left=left, right=right, n=n, bk=bk)
+    in_specs, extra = [tile(bq, d), whole(d), whole(v.shape[-1])], ()
+    if segs is not None:
+        seg_tile, seg_whole = _segment_specs(segs, bh, m)
+        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], (segs, segs)
+    kernel = functools.partial(
+        _forward_kernel, scale=scale, left=left, right=right, n=n, bk=bk,
+        segmented=segs is not None,
+    )  # fmt: skip
     out, lse = pl.pallas_call(
         kernel,
         grid=(m // bq, bh),
-        in_specs=[tile(bq, d), whole(d), whole(v.shape[-1])],
+        in_specs=in_specs,
         out_specs=[tile(bq, v.shape[-1]), pl.BlockSpec((None, bq), lambda t, r: (r, t))],
         out_shape=[
             jax.ShapeDtypeStruct((bh, m, v.shape[-1]), q.dtype),
@@ -199,12 +237,12 @@ def _band_fwd(q, k, v, left, right, scale, n, bq, bk, interpret):
         compiler_params=_compiler_params(4, 2, interpret),
         interpret=interpret,
         name="band_attention_forward",
-    )(q, k, v)
-    return out, (q, k, v, out, lse)
+    )(q, k, v, *extra)
+    return out, (q, k, v, segs, out, lse)
 
 
 def _band_bwd(left, right, scale, n, bq, bk, interpret, res, g):
-    q, k, v, out, lse = res
+    q, k, v, segs, out, lse = res
     bh, m, d = q.shape
     dv_dim = v.shape[-1]
     delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
@@ -212,28 +250,36 @@ def _band_bwd(left, right, scale, n, bq, bk, interpret, res, g):
     tile, whole = _specs(m)
     whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
     tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
-    common = dict(scale=scale, left=left, right=right, n=n)
+    common = dict(scale=scale, left=left, right=right, n=n, segmented=segs is not None)
+    dkdv_specs = [whole(d), tile(bk, d), tile(bk, dv_dim), whole(dv_dim), whole_vec, whole_vec]
+    dq_specs = [tile(bq, d), whole(d), whole(dv_dim), tile(bq, dv_dim), tile_vec, tile_vec]
+    extra = ()
+    if segs is not None:
+        seg_tile, seg_whole = _segment_specs(segs, bh, m)
+        dkdv_specs += [seg_whole, seg_tile(bk)]  # query ids whole, key ids of the tile
+        dq_specs += [seg_tile(bq), seg_whole]
+        extra = (segs, segs)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, bq=bq, **common),
         grid=(m // bk, bh),
-        in_specs=[whole(d), tile(bk, d), tile(bk, dv_dim), whole(dv_dim), whole_vec, whole_vec],
+        in_specs=dkdv_specs,
         out_specs=[tile(bk, d), tile(bk, dv_dim)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_compiler_params(4, 2, interpret),
         interpret=interpret,
         name="band_attention_dkdv",
-    )(q, k, v, g, lse, delta)
+    )(q, k, v, g, lse, delta, *extra)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, bk=bk, **common),
         grid=(m // bq, bh),
-        in_specs=[tile(bq, d), whole(d), whole(dv_dim), tile(bq, dv_dim), tile_vec, tile_vec],
+        in_specs=dq_specs,
         out_specs=tile(bq, d),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(4, 2, interpret),
         interpret=interpret,
         name="band_attention_dq",
-    )(q, k, v, g, lse, delta)
-    return dq, dk, dv
+    )(q, k, v, g, lse, delta, *extra)
+    return dq, dk, dv, None
 
 
 _band.defvjp(_band_fwd, _band_bwd)
@@ -249,6 +295,7 @@ def band_attention(
     scale: float | None = None,
     block_q: int = 64,
     block_k: int = 64,
+    segments: Array | None = None,
     interpret: bool | None = None,
 ) -> Array:
     """``[b, n, h, d] x3 -> [b, n, h, dv]``: query i attends to keys j with
@@ -259,7 +306,13 @@ def band_attention(
       scale: logit scale; default ``1/sqrt(d)``.
       block_q, block_k: tile sizes (powers of two, >= 16 for the tensor cores); the key
         blocks visited per query block are ``(left + right + block_q) / block_k + 1`` at most.
+      segments: ``[b, n]`` int ids: a query sees keys of its own id only, and id 0 is
+        padding (sees and is seen by nothing; its output is 0), as in the blocked
+        kernel. None: one sequence per row.
       interpret: run through Pallas' interpreter; default: everywhere but on a GPU.
+
+    A head size that is not a power of two of at least 16 (Triton's tiles) is padded
+    with zeros, which changes no score; the output drops the padding.
     """
     b, n, h, d = query.shape
     if key.shape[:3] != (b, n, h) or value.shape[:3] != (b, n, h):
@@ -272,14 +325,34 @@ def band_attention(
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk < 16 or blk & (blk - 1):
             raise ValueError(f"band_attention: {name}={blk} must be a power of two >= 16")
+    if segments is not None and segments.shape != (b, n):
+        raise ValueError(f"band_attention: segments {segments.shape}, expected {(b, n)}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    dv = value.shape[-1]
+    query, key, value = (
+        _pad_heads(query, _tile_width(d)),
+        _pad_heads(key, _tile_width(d)),
+        _pad_heads(value, _tile_width(dv)),
+    )
     block = max(block_q, block_k)
     (q, m), (k, _), (v, _) = (_rows(x, block) for x in (query, key, value))
+    segs = None
+    if segments is not None:
+        segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))
     left, right = min(left, n), min(right, n)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    out = _band(q, k, v, left, right, scale, n, block_q, block_k, bool(interpret))
-    return jnp.swapaxes(out[:, :n].reshape(b, h, n, -1), 1, 2)
+    out = _band(q, k, v, segs, left, right, scale, n, block_q, block_k, bool(interpret))
+    return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)
+
+
+def _tile_width(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _pad_heads(x: Array, width: int) -> Array:
+    d = x.shape[-1]
+    return x if d == width else jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - d)))
 
 
 def band_of(pattern) -> tuple[int, int]:
