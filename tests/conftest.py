@@ -110,6 +110,7 @@ FILE_SECONDS = {
     "test_attention_maps.py": 16,
     "test_assembly.py": 14,
     "test_extending.py": 13,
+    "test_band_gpu.py": 10,
     "test_diagnostics.py": 8,
 }
 
