@@ -48,6 +48,24 @@ def test_mqar_rows_ask_every_key_once_and_score_the_answers():
         assert (t[rest] == S.FILL).all()
 
 
+def test_recall_distances_point_at_the_copied_value():
+    """experiments/long_range/recall_distance.py: each answer's distance leads back to
+    the value it copies (the answer's token), one answer per pair."""
+    import importlib.util
+
+    path = ROOT / "experiments" / "long_range" / "recall_distance.py"
+    spec = importlib.util.spec_from_file_location("recall_distance", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for e in _first(S.Spec("mqar", 64, 8), n=10):
+        t, w = e["targets"], e["weights"]
+        answers, dist = module.answer_distances(t, w)
+        assert answers.tolist() == np.flatnonzero(w).tolist()
+        copied = answers - dist
+        assert (t[copied] == t[answers]).all() and (copied < 16).all() and (copied % 2 == 1).all()
+        assert sorted(copied.tolist()) == list(range(1, 16, 2))  # each pair asked once
+
+
 def test_needle_asks_the_key_at_its_distance():
     seen = set()
     for e in _first(S.Spec("needle", 64), n=40):

@@ -1,0 +1,205 @@
+"""Recall accuracy by the query's rank in its row and by its distance to the pair.
+
+  .venv/bin/python experiments/long_range/recall_distance.py \\
+      --collect experiments/long_range/runs/mqar_l128_p8      # score the runs (minutes)
+  .venv/bin/python experiments/long_range/recall_distance.py  # redraw from the record
+
+In an MQAR row (data/synthetic.py) the pairs come first and each key is queried once
+later; the answer at position a (the value after the query) is a copy of the value at
+2j + 1, where the queried key stands at 2j. Its distance a - (2j + 1) is what a pattern
+must bridge, in one hop or two, to copy the value. Each key is asked once, so the k-th
+query (k = 0, 1, ...) can also be answered by elimination: a model that knows only
+which values have not been asked for yet scores 1/(P - k) on it, 34% over a row of
+P = 8, without any recall; only accuracy above that curve (and at k = 0, above 1/P) is
+recall. ``--collect`` scores each run of a sweep folder on the test split with the
+checkpoint the sweep scored (best validation accuracy), answer by answer, and writes
+the hits per distance bucket and per query rank to ``recall_distance.json`` (one row
+per run); the default redraws ``recall_distance.png`` and ``recall_distance.md``
+(mean ± std over seeds) from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from grid import PATTERNS  # noqa: E402
+
+RECORD = HERE / "recall_distance.json"
+BUCKET = 16  # tokens per distance bucket
+
+
+def answer_distances(targets: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(answer positions, their distances to the value they copy) of one MQAR row."""
+    answers = np.flatnonzero(weights)
+    pairs = len(answers)
+    keys = targets[0 : 2 * pairs : 2]
+    value_at = np.asarray([2 * int(np.flatnonzero(keys == targets[a - 1])[0]) + 1 for a in answers])
+    return answers, answers - value_at
+
+
+def score_run(folder: Path) -> dict:
+    """Hits and answers per distance bucket of one run on its test split."""
+    import jax
+    import jax.numpy as jnp
+
+    from flaxformer_lite.data import synthetic
+    from flaxformer_lite.data.packing import pad_batch
+    from flaxformer_lite.inference.run import Run
+
+    run = Run.open(folder)
+    d = run.config.data
+    examples = synthetic.load_examples(d.dataset, "test", d.data_dir)
+    params, step = run.params()
+    model = run.model()
+
+    @jax.jit
+    def predict(params, tokens):
+        return jnp.argmax(model.apply({"params": params}, tokens), -1)
+
+    hits, counts, rank_hits = {}, {}, {}
+    size = run.config.train.batch_size
+    for start in range(0, len(examples), size):
+        chunk = examples[start : start + size]
+        batch = pad_batch([{"targets": e["targets"]} for e in chunk], d.max_length)
+        guess = np.asarray(jax.device_get(predict(params, batch["targets"])))
+        for row, e in zip(guess, chunk, strict=False):
+            answers, dist = answer_distances(e["targets"], e["weights"])
+            for rank, (a, gap) in enumerate(zip(answers, dist, strict=True)):
+                b = str(int(gap) // BUCKET * BUCKET)
+                hit = int(row[a] == e["targets"][a])
+                hits[b] = hits.get(b, 0) + hit
+                counts[b] = counts.get(b, 0) + 1
+                rank_hits[str(rank)] = rank_hits.get(str(rank), 0) + hit
+    return {"dataset": d.dataset, "checkpoint": f"{run.newest_kind()} {step}",
+            "hits": hits, "answers": counts, "hits_by_rank": rank_hits,
+            "rows": len(examples)}  # fmt: skip
+
+
+def collect(sweep: Path) -> None:
+    """Score every finished run of a sweep folder into the record (other sweeps' rows kept)."""
+    rows = [r for r in _read() if not r["sweep"] == sweep.name]
+    for line in (sweep / "results.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("status") != "ok":
+            continue
+        scored = score_run(sweep / row["run"])
+        pattern = row["overrides"]["model.attention_pattern"]
+        rows.append({"sweep": sweep.name, "pattern": pattern, "seed": row["seed"],
+                     "test_accuracy": row.get("test_accuracy"), **scored})  # fmt: skip
+        print(f"{row['run']}: {sum(scored['hits'].values()) / sum(scored['answers'].values()):.3f}")
+    RECORD.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _read() -> list[dict]:
+    return [json.loads(x) for x in RECORD.read_text().splitlines()] if RECORD.exists() else []
+
+
+def by_pattern(rows: list[dict], key: str = "hits") -> dict[str, dict[int, list[float]]]:
+    """pattern name -> bucket start (``hits``) or query rank (``hits_by_rank``) ->
+    accuracy per seed."""
+    names = {spec: name for name, spec in PATTERNS.items()}
+    out: dict[str, dict[int, list[float]]] = {}
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        cells = out.setdefault(names.get(r["pattern"], r["pattern"]), {})
+        for b, hits in r[key].items():
+            total = r["answers"][b] if key == "hits" else r["rows"]
+            cells.setdefault(int(b), []).append(hits / total)
+    return out
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def _table(data: dict, columns: list[int], label) -> list[str]:
+    lines = ["| pattern | " + " | ".join(label(c) for c in columns) + " |",
+             "|---|" + "---|" * len(columns)]  # fmt: skip
+    for name, per in data.items():
+        cells = []
+        for c in columns:
+            if per.get(c):
+                m, s = _mean_std([100 * a for a in per[c]])
+                cells.append(f"{m:.1f} ± {s:.1f}")
+            else:
+                cells.append("—")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _curves(ax, data: dict) -> None:
+    for name, per in data.items():
+        xs = sorted(per)
+        stats = [_mean_std([100 * a for a in per[x]]) for x in xs]
+        ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o",
+                    ms=3, capsize=2, label=name)  # fmt: skip
+
+
+def report() -> None:
+    rows = _read()
+    dataset = rows[0]["dataset"]
+    pairs = int(dataset.split("_p")[-1])
+    dist, rank = by_pattern(rows), by_pattern(rows, "hits_by_rank")
+    buckets = sorted({b for v in dist.values() for b in v})
+    ranks = list(range(pairs))
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [
+        f"`{dataset}`, test split, the checkpoint with the best validation accuracy; "
+        f"mean ± std over seeds {', '.join(map(str, seeds))}.",
+        "",
+        "Recall accuracy (%) by the query's rank in its row (k = 0: the first key asked; "
+        "a model that only rules out the values already asked for scores 1/(P - k)):",
+        "",
+        *_table(rank, ranks, lambda k: f"k = {k}"),
+        "| elimination alone | " + " | ".join(f"{100 / (pairs - k):.1f}" for k in ranks) + " |",
+        "",
+        "Recall accuracy (%) by the distance from the answer to the value it copies "
+        f"(tokens, buckets of {BUCKET}):",
+        "",
+        *_table(dist, buckets, lambda b: f"{b}-{b + BUCKET - 1}"),
+    ]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.0))
+    _curves(left, rank)
+    left.plot(ranks, [100 / (pairs - k) for k in ranks], "k--", lw=1,
+              label="elimination alone: 1/(P - k)")  # fmt: skip
+    left.axhline(100 / pairs, color="grey", ls=":", lw=1, label=f"chance 1/{pairs}")
+    left.set_xlabel("rank k of the query in its row")
+    left.set_ylabel("test recall accuracy (%)")
+    left.set_title("by query rank")
+    left.legend(fontsize=7)
+    _curves(right, {n: {b + BUCKET / 2: v for b, v in per.items()} for n, per in dist.items()})
+    right.axhline(100 / pairs, color="grey", ls=":", lw=1)
+    right.set_xlabel("distance from the answer to the value it copies (tokens)")
+    right.set_title("by distance")
+    fig.suptitle(f"{dataset}: recall by query rank and by distance")
+    fig.tight_layout()
+    fig.savefig(HERE / "recall_distance.png", dpi=120, metadata={"Software": None})
+    (HERE / "recall_distance.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--collect", type=Path, help="a sweep folder to score first")
+    args = parser.parse_args()
+    if args.collect:
+        collect(args.collect)
+    report()
+
+
+if __name__ == "__main__":
+    main()
