@@ -60,6 +60,16 @@ def _allowed(q_first, k_first, shape, left: int, right: int, n: int, segs=None) 
     return ok
 
 
+def _key_tile(q, q_first, j, k_ref, v_ref, ks_ref, qs, *, scale, left, right, n, bk):
+    """Key block j against a query tile: (k, v, float32 scores, allowed pairs)."""
+    start = pl.multiple_of(j * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = plgpu.dot(q, k.T) * scale
+    segs = None if qs is None else (qs, ks_ref[pl.ds(start, bk)])
+    return k, v, s, _allowed(q_first, start, s.shape, left, right, n, segs)
+
+
 def _key_blocks(i, bq: int, bk: int, left: int, right: int, n: int):
     """[lo, hi): the key blocks query block i reaches."""
     first = i * bq
@@ -80,20 +90,18 @@ def _forward_kernel(*refs, scale, left, right, n, bk, segmented):
     if segmented:
         q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
     else:
-        (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref = refs, None
+        (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref, ks_ref = refs, None, None
     i = pl.program_id(0)
     bq = q_ref.shape[0]
     q = q_ref[...]
     qs = None if qs_ref is None else qs_ref[...]
 
+    tile = functools.partial(_key_tile, q, i * bq, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref,
+                             qs=qs, scale=scale, left=left, right=right, n=n, bk=bk)  # fmt: skip
+
     def body(j, carry):
         acc, m, l = carry
-        start = pl.multiple_of(j * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
-        s = plgpu.dot(q, k.T) * scale
-        segs = None if qs is None else (qs, ks_ref[pl.ds(start, bk)])
-        ok = _allowed(i * bq, start, s.shape, left, right, n, segs)
+        _, v, s, ok = tile(j)
         s = jnp.where(ok, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
@@ -154,20 +162,22 @@ def _dq_kernel(*refs, scale, left, right, n, bk, segmented):
     if segmented:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref = refs
     else:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref = refs, None
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref, ks_ref = (
+            refs,
+            None,
+            None,
+        )
     i = pl.program_id(0)
     bq = q_ref.shape[0]
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     qs = None if qs_ref is None else qs_ref[...]
 
+    tile = functools.partial(_key_tile, q, i * bq, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref,
+                             qs=qs, scale=scale, left=left, right=right, n=n, bk=bk)  # fmt: skip
+
     def body(j, dq):
-        start = pl.multiple_of(j * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
-        s = plgpu.dot(q, k.T) * scale
-        segs = None if qs is None else (qs, ks_ref[pl.ds(start, bk)])
-        ok = _allowed(i * bq, start, s.shape, left, right, n, segs)
+        k, v, s, ok = tile(j)
         p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
         dp = plgpu.dot(do, v.T)
         ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
