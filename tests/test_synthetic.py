@@ -93,13 +93,30 @@ def test_listops_values_and_lengths():
         assert 0 <= e["targets"][0] < 10
 
 
+def test_mqar_with_fewer_symbols_draws_from_them_alone():
+    spec = S.parse("mqar/l64_p8_k16")
+    assert spec == S.Spec("mqar", 64, 8, 16) and spec.name == "l64_p8_k16"
+    assert S.Spec("mqar", 64, 8).name == "l64_p8"  # the 128-symbol names are unchanged
+    rows = _first(spec, n=50)
+    t = np.stack([e["targets"] for e in rows])
+    keys, values = t[:, 0:16:2], t[:, 1:16:2]
+    assert keys.min() >= S.FIRST and keys.max() < S.FIRST + 16
+    assert values.min() >= S.FIRST + S.KEYS and values.max() < S.FIRST + S.KEYS + 16
+    assert len(np.unique(keys)) == 16  # every symbol is used
+    full = np.stack([e["targets"] for e in _first(S.Spec("mqar", 64, 8), n=50)])
+    assert full[:, 0:16:2].max() >= S.FIRST + 16  # the default draws from all 128
+
+
 def test_dataset_names_are_checked():
     assert S.parse("ding_de_en") is None
     assert S.parse("mqar/l64_p8") == S.Spec("mqar", 64, 8)
     for bad, words in [
         ("mqar/l64", "mqar/l512_p32"),
         ("needle/x", "needle/l512"),
+        ("needle/l64_p8_k16", "needle/l512"),
         ("mqar/l16_p8", r"4 \* pairs <= 16"),
+        ("mqar/l64_p8_k4", r"pairs <= 4 \(the k symbols\)"),
+        ("mqar/l64_p8_k200", "k200 symbols must be 1 to 128"),
     ]:
         with pytest.raises(ValueError, match=words):
             S.parse(bad)

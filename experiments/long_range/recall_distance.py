@@ -13,9 +13,10 @@ which values have not been asked for yet scores 1/(P - k) on it, 34% over a row 
 P = 8, without any recall; only accuracy above that curve (and at k = 0, above 1/P) is
 recall. ``--collect`` scores each run of a sweep folder on the test split with the
 checkpoint the sweep scored (best validation accuracy), answer by answer, and writes
-the hits per distance bucket and per query rank to ``recall_distance.json`` (one row
-per run); the default redraws ``recall_distance.png`` and ``recall_distance.md``
-(mean ± std over seeds) from it.
+the hits per distance bucket (L/8 tokens wide) and per query rank to
+``recall_distance.json`` (one row per run, sweeps side by side); the default redraws,
+for each sweep in it, ``recall_<sweep>.png`` and ``recall_<sweep>.md`` (mean ± std over
+seeds).
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ sys.path.insert(0, str(HERE))
 from grid import PATTERNS  # noqa: E402
 
 RECORD = HERE / "recall_distance.json"
-BUCKET = 16  # tokens per distance bucket
+# Patterns by their kind where a sweep scaled the grid's specs to its row length.
+KINDS = {"dense": "dense", "local": "local", "dilated": "dilated", "sparse_strided": "strided",
+         "longformer": "longformer", "bigbird": "bigbird", "topk": "topk"}  # fmt: skip
+
+
+def bucket_of(max_length: int) -> int:
+    """Tokens per distance bucket: eight buckets over a row (16 at 128 tokens)."""
+    return max(1, max_length // 8)
 
 
 def answer_distances(targets: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,6 +80,7 @@ def score_run(folder: Path) -> dict:
         return jnp.argmax(model.apply({"params": params}, tokens), -1)
 
     hits, counts, rank_hits = {}, {}, {}
+    bucket = bucket_of(d.max_length)
     size = run.config.train.batch_size
     for start in range(0, len(examples), size):
         chunk = examples[start : start + size]
@@ -80,14 +89,14 @@ def score_run(folder: Path) -> dict:
         for row, e in zip(guess, chunk, strict=False):
             answers, dist = answer_distances(e["targets"], e["weights"])
             for rank, (a, gap) in enumerate(zip(answers, dist, strict=True)):
-                b = str(int(gap) // BUCKET * BUCKET)
+                b = str(int(gap) // bucket * bucket)
                 hit = int(row[a] == e["targets"][a])
                 hits[b] = hits.get(b, 0) + hit
                 counts[b] = counts.get(b, 0) + 1
                 rank_hits[str(rank)] = rank_hits.get(str(rank), 0) + hit
     return {"dataset": d.dataset, "checkpoint": f"{run.newest_kind()} {step}",
             "hits": hits, "answers": counts, "hits_by_rank": rank_hits,
-            "rows": len(examples)}  # fmt: skip
+            "rows": len(examples), "bucket": bucket}  # fmt: skip
 
 
 def collect(sweep: Path) -> None:
@@ -115,7 +124,8 @@ def by_pattern(rows: list[dict], key: str = "hits") -> dict[str, dict[int, list[
     names = {spec: name for name, spec in PATTERNS.items()}
     out: dict[str, dict[int, list[float]]] = {}
     for r in sorted(rows, key=lambda r: r["seed"]):
-        cells = out.setdefault(names.get(r["pattern"], r["pattern"]), {})
+        name = names.get(r["pattern"]) or KINDS.get(r["pattern"].split(":")[0], r["pattern"])
+        cells = out.setdefault(name, {})
         for b, hits in r[key].items():
             total = r["answers"][b] if key == "hits" else r["rows"]
             cells.setdefault(int(b), []).append(hits / total)
@@ -150,9 +160,16 @@ def _curves(ax, data: dict) -> None:
 
 
 def report() -> None:
+    """Each sweep's table and figure."""
     rows = _read()
+    for sweep in dict.fromkeys(r["sweep"] for r in rows):
+        report_sweep(sweep, [r for r in rows if r["sweep"] == sweep])
+
+
+def report_sweep(sweep: str, rows: list[dict]) -> None:
     dataset = rows[0]["dataset"]
-    pairs = int(dataset.split("_p")[-1])
+    pairs = int(dataset.split("_p")[-1].split("_")[0])
+    bucket = rows[0].get("bucket", 16)
     dist, rank = by_pattern(rows), by_pattern(rows, "hits_by_rank")
     buckets = sorted({b for v in dist.values() for b in v})
     ranks = list(range(pairs))
@@ -168,9 +185,9 @@ def report() -> None:
         "| elimination alone | " + " | ".join(f"{100 / (pairs - k):.1f}" for k in ranks) + " |",
         "",
         "Recall accuracy (%) by the distance from the answer to the value it copies "
-        f"(tokens, buckets of {BUCKET}):",
+        f"(tokens, buckets of {bucket}):",
         "",
-        *_table(dist, buckets, lambda b: f"{b}-{b + BUCKET - 1}"),
+        *_table(dist, buckets, lambda b: f"{b}-{b + bucket - 1}"),
     ]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.0))
     _curves(left, rank)
@@ -181,14 +198,14 @@ def report() -> None:
     left.set_ylabel("test recall accuracy (%)")
     left.set_title("by query rank")
     left.legend(fontsize=7)
-    _curves(right, {n: {b + BUCKET / 2: v for b, v in per.items()} for n, per in dist.items()})
+    _curves(right, {n: {b + bucket / 2: v for b, v in per.items()} for n, per in dist.items()})
     right.axhline(100 / pairs, color="grey", ls=":", lw=1)
     right.set_xlabel("distance from the answer to the value it copies (tokens)")
     right.set_title("by distance")
     fig.suptitle(f"{dataset}: recall by query rank and by distance")
     fig.tight_layout()
-    fig.savefig(HERE / "recall_distance.png", dpi=120, metadata={"Software": None})
-    (HERE / "recall_distance.md").write_text("\n".join(lines) + "\n")
+    fig.savefig(HERE / f"recall_{sweep}.png", dpi=120, metadata={"Software": None})
+    (HERE / f"recall_{sweep}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -4,11 +4,14 @@ Each task is a deterministic generator (a seed per split) of token-id sequences 
 its own small vocabulary; the builders write them like the corpora, so that the same
 pipeline, sweeps and workdirs serve them. A dataset is named ``task/config``:
 
-* ``mqar/l{L}_p{P}``: multi-query associative recall (Zoology, Arora et al. 2023):
-  ``P`` key-value pairs, then every key queried once, in random order, at random
-  places of the rest of a row of ``L`` tokens (filler elsewhere), each query followed
-  by its value. A decoder-only model reads the row; it is scored on the values after
-  the queries (``weights``), where only recall can tell the answer.
+* ``mqar/l{L}_p{P}[_k{K}]``: multi-query associative recall (Zoology, Arora et al.
+  2023): ``P`` key-value pairs, then every key queried once, in random order, at
+  random places of the rest of a row of ``L`` tokens (filler elsewhere), each query
+  followed by its value. A decoder-only model reads the row; it is scored on the
+  values after the queries (``weights``), where only recall can tell the answer. Keys
+  and values are drawn from ``K`` symbols each (default and at most 128; fewer
+  symbols, more rows per symbol: a small model learns recall sooner, see
+  experiments/long_range). The vocabulary stays the task's, whatever ``K``.
 * ``needle/l{L}``: one query at the end of a row of ``L`` tokens of key-value pairs
   asks for the pair whose key stands ``d`` tokens before it (``d`` drawn per row from
   powers of two up to ``L - 2``: ``group`` holds it), every other pair a distractor
@@ -56,12 +59,20 @@ def value_token(v):
 # Generators -------------------------------------------------------------------------------
 
 
-def mqar_example(rng: np.random.Generator, length: int, pairs: int) -> dict[str, np.ndarray]:
-    """One MQAR row: ``pairs`` key-value pairs, then each key queried once."""
-    if not 0 < pairs <= KEYS or 4 * pairs > length:
-        raise ValueError(f"mqar: {pairs} pairs need 0 < pairs <= {KEYS} and 4 * pairs <= {length}")
-    keys = key_token(rng.choice(KEYS, pairs, replace=False))
-    values = value_token(rng.integers(0, VALUES, pairs))
+def mqar_example(
+    rng: np.random.Generator, length: int, pairs: int, symbols: int = KEYS
+) -> dict[str, np.ndarray]:
+    """One MQAR row: ``pairs`` key-value pairs (keys and values from the first
+    ``symbols`` of each set), then each key queried once."""
+    if not 0 < symbols <= KEYS:
+        raise ValueError(f"mqar: k{symbols} symbols must be 1 to {KEYS}")
+    if not 0 < pairs <= symbols or 4 * pairs > length:
+        raise ValueError(
+            f"mqar: {pairs} pairs need 0 < pairs <= {symbols} (the k symbols) and "
+            f"4 * pairs <= {length}"
+        )
+    keys = key_token(rng.choice(symbols, pairs, replace=False))
+    values = value_token(rng.integers(0, symbols, pairs))
     tokens = np.full(length, FILL, np.int32)
     tokens[0 : 2 * pairs : 2], tokens[1 : 2 * pairs : 2] = keys, values
     slots = (length - 2 * pairs) // 2  # two-token places for the queries after the pairs
@@ -158,42 +169,51 @@ def listops_example(
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """A generated dataset: its task, row length and (recall) number of pairs."""
+    """A generated dataset: its task, row length and (recall) number of pairs and of
+    key (and value) symbols."""
 
     task: str
     length: int
     pairs: int = 0
+    symbols: int = KEYS
 
     @property
     def name(self) -> str:
-        return f"l{self.length}" + (f"_p{self.pairs}" if self.task == "mqar" else "")
+        if self.task != "mqar":
+            return f"l{self.length}"
+        return f"l{self.length}_p{self.pairs}" + (
+            f"_k{self.symbols}" if self.symbols != KEYS else ""
+        )
 
     def examples(self, split: str) -> Iterator[dict[str, np.ndarray]]:
         seed = [sum(map(ord, self.task)), self.length, self.pairs, _SPLIT_SEED[split]]
+        if self.symbols != KEYS:  # the 128-symbol datasets keep the seeds they had
+            seed.append(self.symbols)
         rng = np.random.default_rng(seed)
         for _ in range(SPLITS[split]):
             if self.task == "mqar":
-                yield mqar_example(rng, self.length, self.pairs)
+                yield mqar_example(rng, self.length, self.pairs, self.symbols)
             elif self.task == "needle":
                 yield needle_example(rng, self.length)
             else:
                 yield listops_example(rng, self.length)
 
 
-_NAME = re.compile(r"^(mqar|needle|listops)/l(\d+)(?:_p(\d+))?$")
+_NAME = re.compile(r"^(mqar|needle|listops)/l(\d+)(?:_p(\d+)(?:_k(\d+))?)?$")
 
 
 def parse(dataset: str) -> Spec | None:
-    """The Spec of ``task/l{L}[_p{P}]``, None for another name, ValueError for a bad one."""
+    """The Spec of ``task/l{L}[_p{P}[_k{K}]]``, None for another name, ValueError for a
+    bad one."""
     task = dataset.split("/")[0]
     if task not in TASK_OF:
         return None
     m = _NAME.match(dataset)
     if not m or (task == "mqar") != (m.group(3) is not None):
-        example = "mqar/l512_p32" if task == "mqar" else f"{task}/l512"
+        example = "mqar/l512_p32 (or mqar/l512_p32_k16)" if task == "mqar" else f"{task}/l512"
         raise ValueError(f"data.dataset={dataset!r}: write {task} datasets as {example}")
-    spec = Spec(task, int(m.group(2)), int(m.group(3) or 0))
-    next(iter(Spec(spec.task, spec.length, spec.pairs).examples("validation")))  # checks sizes
+    spec = Spec(task, int(m.group(2)), int(m.group(3) or 0), int(m.group(4) or KEYS))
+    next(iter(spec.examples("validation")))  # checks sizes
     return spec
 
 
