@@ -64,6 +64,10 @@ def test_recall_distances_point_at_the_copied_value():
         copied = answers - dist
         assert (t[copied] == t[answers]).all() and (copied < 16).all() and (copied % 2 == 1).all()
         assert sorted(copied.tolist()) == list(range(1, 16, 2))  # each pair asked once
+    # Sweeps that differ only in their number of pairs are drawn together.
+    assert module._family("mqar/l64_p8_k16") == module._family("mqar/l64_p16_k16")
+    assert module._family("mqar/l128_p8") == "mqar/l128" != module._family("mqar/l64_p8_k16")
+    assert module.bucket_of(128) == 16  # the committed l128 record's buckets
 
 
 def test_needle_asks_the_key_at_its_distance():

@@ -160,10 +160,86 @@ def _curves(ax, data: dict) -> None:
 
 
 def report() -> None:
-    """Each sweep's table and figure."""
+    """Each sweep's table and figure; then, for sweeps of one length and vocabulary that
+    differ in their number of pairs, recall against pairs."""
     rows = _read()
     for sweep in dict.fromkeys(r["sweep"] for r in rows):
         report_sweep(sweep, [r for r in rows if r["sweep"] == sweep])
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        families.setdefault(_family(r["dataset"]), []).append(r)
+    for family, members in families.items():
+        if len({_pairs(r["dataset"]) for r in members}) > 1:
+            report_pairs(family, members)
+
+
+def _pairs(dataset: str) -> int:
+    return int(dataset.split("_p")[-1].split("_")[0])
+
+
+def _family(dataset: str) -> str:
+    """``mqar/l64_p8_k16`` -> ``mqar/l64_k16``: the dataset with its pairs left out."""
+    head, _, tail = dataset.partition("_p")
+    rest = tail.partition("_")[2]
+    return head + (f"_{rest}" if rest else "")
+
+
+def report_pairs(family: str, rows: list[dict]) -> None:
+    """Recall over all answers and at the first query of a row, against the number of
+    pairs, per pattern: ``recall_pairs_<family>.md`` and ``.png``."""
+    names = {spec: name for name, spec in PATTERNS.items()}
+    cells: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        name = names.get(r["pattern"]) or KINDS.get(r["pattern"].split(":")[0], r["pattern"])
+        cell = cells.setdefault(name, {}).setdefault(_pairs(r["dataset"]), {})
+        cell.setdefault("all", []).append(sum(r["hits"].values()) / sum(r["answers"].values()))
+        cell.setdefault("first", []).append(r["hits_by_rank"]["0"] / r["rows"])
+    counts = sorted({_pairs(r["dataset"]) for r in rows})
+    specs = {}
+    for r in rows:
+        name = names.get(r["pattern"]) or KINDS.get(r["pattern"].split(":")[0], r["pattern"])
+        specs.setdefault(name, r["pattern"])
+
+    def cell(values: list[float]) -> str:
+        m, s = _mean_std([100 * v for v in values])
+        return f"{m:.1f} ± {s:.1f}"
+
+    head = " | ".join(f"P = {p}: all | P = {p}: first" for p in counts)
+    lines = [
+        f"`{family.replace('_k', '_p{P}_k') if '_k' in family else family + '_p{P}'}`, "
+        "test split, the checkpoint with the best validation accuracy; recall accuracy (%), "
+        "mean ± std over seeds, over all answers and at the first query of each row "
+        "(where only recall beats 1/P).",
+        "",
+        f"| pattern | spec | {head} |",
+        "|---|---|" + "---|---|" * len(counts),
+    ]
+    for name, per in cells.items():
+        parts = [f"{cell(per[p]['all'])} | {cell(per[p]['first'])}" if p in per else "— | —"
+                 for p in counts]  # fmt: skip
+        lines.append(f"| {name} | `{specs[name]}` | " + " | ".join(parts) + " |")
+    chance = [f"{100 * statistics.mean(1 / (p - k) for k in range(p)):.1f} | {100 / p:.1f}"
+              for p in counts]  # fmt: skip
+    lines.append("| elimination alone / chance | | " + " | ".join(chance) + " |")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0), sharey=True)
+    for ax, key, title in ((axes[0], "all", "all answers"), (axes[1], "first", "first query")):
+        _curves(ax, {n: {p: v[key] for p, v in per.items()} for n, per in cells.items()})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(p) for p in counts])
+        ax.set_xlabel("key-value pairs in the row (P)")
+        ax.set_title(title)
+    axes[0].plot(counts, [100 * statistics.mean(1 / (p - k) for k in range(p)) for p in counts],
+                 "k--", lw=1, label="elimination alone")  # fmt: skip
+    axes[1].plot(counts, [100 / p for p in counts], "k:", lw=1, label="chance 1/P")
+    axes[0].set_ylabel("test recall accuracy (%)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{family}: recall against the number of pairs")
+    fig.tight_layout()
+    stem = "recall_pairs_" + family.replace("/", "_")
+    fig.savefig(HERE / f"{stem}.png", dpi=120, metadata={"Software": None})
+    (HERE / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def report_sweep(sweep: str, rows: list[dict]) -> None:
