@@ -223,7 +223,13 @@ def report_pairs(family: str, rows: list[dict]) -> None:
     lines.append("| elimination alone / chance | | " + " | ".join(chance) + " |")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.0), sharey=True)
     for ax, key, title in ((axes[0], "all", "all answers"), (axes[1], "first", "first query")):
-        _curves(ax, {n: {p: v[key] for p, v in per.items()} for n, per in cells.items()})
+        for name, per in cells.items():  # the mean, and each seed (recall is all or nothing)
+            xs = sorted(per)
+            (line,) = ax.plot(xs, [100 * statistics.mean(per[x][key]) for x in xs], marker="o",
+                              ms=3, label=name)  # fmt: skip
+            for x in xs:
+                ax.scatter([x] * len(per[x][key]), [100 * v for v in per[x][key]], s=12,
+                           color=line.get_color(), alpha=0.5)  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xticks(counts, [str(p) for p in counts])
         ax.set_xlabel("key-value pairs in the row (P)")
