@@ -46,6 +46,13 @@ KINDS = {"dense": "dense", "local": "local", "dilated": "dilated", "sparse_strid
          "longformer": "longformer", "bigbird": "bigbird", "topk": "topk"}  # fmt: skip
 
 
+def pattern_name(spec: str) -> str:
+    """The grid's name of a pattern spec (grid.py), or its kind's where a sweep scaled
+    the spec to its row length."""
+    names = {v: k for k, v in PATTERNS.items()}
+    return names.get(spec) or KINDS.get(spec.split(":")[0], spec)
+
+
 def bucket_of(max_length: int) -> int:
     """Tokens per distance bucket: eight buckets over a row (16 at 128 tokens)."""
     return max(1, max_length // 8)
@@ -121,11 +128,9 @@ def _read() -> list[dict]:
 def by_pattern(rows: list[dict], key: str = "hits") -> dict[str, dict[int, list[float]]]:
     """pattern name -> bucket start (``hits``) or query rank (``hits_by_rank``) ->
     accuracy per seed."""
-    names = {spec: name for name, spec in PATTERNS.items()}
     out: dict[str, dict[int, list[float]]] = {}
     for r in sorted(rows, key=lambda r: r["seed"]):
-        name = names.get(r["pattern"]) or KINDS.get(r["pattern"].split(":")[0], r["pattern"])
-        cells = out.setdefault(name, {})
+        cells = out.setdefault(pattern_name(r["pattern"]), {})
         for b, hits in r[key].items():
             total = r["answers"][b] if key == "hits" else r["rows"]
             cells.setdefault(int(b), []).append(hits / total)
@@ -187,18 +192,13 @@ def _family(dataset: str) -> str:
 def report_pairs(family: str, rows: list[dict]) -> None:
     """Recall over all answers and at the first query of a row, against the number of
     pairs, per pattern: ``recall_pairs_<family>.md`` and ``.png``."""
-    names = {spec: name for name, spec in PATTERNS.items()}
     cells: dict[str, dict[int, dict[str, list[float]]]] = {}
     for r in sorted(rows, key=lambda r: r["seed"]):
-        name = names.get(r["pattern"]) or KINDS.get(r["pattern"].split(":")[0], r["pattern"])
-        cell = cells.setdefault(name, {}).setdefault(_pairs(r["dataset"]), {})
+        cell = cells.setdefault(pattern_name(r["pattern"]), {}).setdefault(_pairs(r["dataset"]), {})
         cell.setdefault("all", []).append(sum(r["hits"].values()) / sum(r["answers"].values()))
         cell.setdefault("first", []).append(r["hits_by_rank"]["0"] / r["rows"])
     counts = sorted({_pairs(r["dataset"]) for r in rows})
-    specs = {}
-    for r in rows:
-        name = names.get(r["pattern"]) or KINDS.get(r["pattern"].split(":")[0], r["pattern"])
-        specs.setdefault(name, r["pattern"])
+    specs = {pattern_name(r["pattern"]): r["pattern"] for r in rows}
 
     def cell(values: list[float]) -> str:
         m, s = _mean_std([100 * v for v in values])
