@@ -209,11 +209,13 @@ def test_cli_rejects_a_bad_spec_before_running(fixture_data, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "seeds",
-    # 2 runs by default; 4 runs and the resume through the CLI in the slow run.
-    [1, pytest.param(2, marks=pytest.mark.slow)],
+    "seeds,split",
+    # 2 runs by default, trained and validated (the test split's BLEU is the evaluate
+    # command's, tested in test_translate.py; here it would double the subprocesses);
+    # 4 runs scored on the test split, and the resume through the CLI, in the slow run.
+    [(1, ""), pytest.param(2, "test", marks=pytest.mark.slow)],
 )
-def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path, seeds):
+def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path, seeds, split):
     raw, data_dir = fixture_data
     workdir = tmp_path / "s"
     args = [
@@ -221,6 +223,7 @@ def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path, seeds):
         f"--seeds={seeds}",
         "--parallel=2",
         f"--workdir={workdir}",
+        f"--split={split}",
     ]
     out = _sweep_cli(args, data_dir, raw)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -235,7 +238,12 @@ def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path, seeds):
         assert row["overrides"]["model.positional"] in ("sinusoidal", "learned")
         assert row["parameters"] > 0 and row["flops_per_step"] > 0 and row["tokens_per_sec"] > 0
         assert row["valid_nll"] > 0 and row["valid_perplexity"] > 1
-        assert 0 <= row["test_bleu"] <= 100 and row["wall_minutes"] > 0
+        assert row["wall_minutes"] > 0
+        scored = workdir / row["run"] / "test_scores.json"
+        if split:
+            assert 0 <= row["test_bleu"] <= 100 and scored.is_file()
+        else:  # no split, no evaluate command
+            assert "test_bleu" not in row and not scored.exists()
         run = workdir / row["run"]
         config = json.loads((run / "config.json").read_text())
         assert config["train"]["seed"] == row["seed"]

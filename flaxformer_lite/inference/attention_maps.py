@@ -32,14 +32,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from flaxformer_lite.inference.translate import TranslateError, Translator  # noqa: E402
-from flaxformer_lite.model.build import build_model  # noqa: E402
+from flaxformer_lite.inference.translate import TranslateError, Translator
+from flaxformer_lite.model.build import build_model
 
 KINDS = {"encoder": "encoder self", "decoder": "decoder self", "cross": "cross"}
 BOS_PIECE, EOS_PIECE = "<s>", "</s>"
@@ -140,9 +136,12 @@ def draw_grid(maps: AttentionMaps, path: str | Path) -> Path:
     heads = max(w.shape[1] for w in maps.weights.values())
     longest = max(max(len(q), len(k)) for q, k in map(maps.axes, maps.weights))
     cell = max(2.2, 0.16 * longest + 0.8)  # inches per panel
-    fig, axes = plt.subplots(
-        len(rows), heads, figsize=(cell * heads, cell * len(rows)), squeeze=False
-    )
+    # matplotlib's Figure, not pyplot: imported when drawn (a training process that
+    # never draws does not pay for it), and a notebook's backend stays as it is.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(cell * heads, cell * len(rows)))
+    axes = fig.subplots(len(rows), heads, squeeze=False)
     for r, (kind, layer) in enumerate(rows):
         queries, keys = maps.axes(kind)
         for h in range(heads):
@@ -163,7 +162,6 @@ def draw_grid(maps: AttentionMaps, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -155,17 +155,13 @@ def _stat_order(name: str) -> tuple:
 
 def draw(stats: dict[str, dict[str, np.ndarray]], path: Path, title: str = "") -> None:
     """One panel per statistic: modules down, heads across, the value as colour."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
     names = sorted({n for by in stats.values() for n in by}, key=_stat_order)
     modules = list(stats)
     heads = max(len(next(iter(by.values()))) for by in stats.values())
-    fig, axes = plt.subplots(
-        1, len(names), figsize=(2.2 * len(names) + 2, 0.35 * len(modules) + 1.5), squeeze=False
-    )
+    fig = Figure(figsize=(2.2 * len(names) + 2, 0.35 * len(modules) + 1.5))
+    axes = fig.subplots(1, len(names), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         grid = np.full((len(modules), heads), np.nan)
         for r, m in enumerate(modules):
@@ -181,7 +177,6 @@ def draw(stats: dict[str, dict[str, np.ndarray]], path: Path, title: str = "") -
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def average(per_text: list[dict[str, dict[str, np.ndarray]]], counts: list[int]):
