@@ -63,3 +63,21 @@ def test_durations():
     assert _format_duration(61) == "1:01"
     assert _format_duration(3 * 3600 + 5) == "3:00:05"
     assert _format_duration(-4) == "0:00"
+
+
+def test_throughput_counts_the_tokens_a_model_reads():
+    """Target tokens for translation and language models; a classifier's input tokens,
+    not its one label per row (labels of class 0 would not even count)."""
+    import numpy as np
+
+    from flaxformer_lite.training.loop import Throughput
+
+    inputs = np.array([[5, 6, 7, 0], [8, 9, 0, 0]])
+    labels = np.array([[3, 0, 0, 0], [0, 0, 0, 0]])  # classes 3 and 0
+    meter = Throughput(1e9, counted="inputs")
+    meter.add({"inputs": inputs, "targets": labels})
+    assert meter.tokens == 5 and meter.steps == 1
+    meter = Throughput(1e9)
+    meter.add({"inputs": inputs, "targets": np.array([[4, 5, 1, 0], [6, 1, 0, 0]])})
+    assert meter.tokens == 5
+    assert meter.rates()["tokens_per_sec"] > 0

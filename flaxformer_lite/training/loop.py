@@ -92,20 +92,23 @@ class Clock:
 
 
 class Throughput:
-    """Target tokens and steps since the last :meth:`reset`, and the rates they give."""
+    """Tokens and steps since the last :meth:`reset`, and the rates they give. The
+    tokens are the non-padding ones of the batch's ``counted`` field: ``targets`` for
+    translation and language models, ``inputs`` for a classifier (whose targets hold
+    one label per row)."""
 
-    def __init__(self, step_flops: float):
-        self.step_flops = step_flops
+    def __init__(self, step_flops: float, counted: str = "targets"):
+        self.step_flops, self.counted = step_flops, counted
         self.reset()
 
     def reset(self) -> None:
         self.tokens, self.steps, self.since = 0, 0, time.perf_counter()
 
-    def add(self, targets: np.ndarray) -> None:
-        """One step of this process's ``targets`` rows, counted for every process: each
-        packs as many rows of the same length, so the global count differs from this by
-        packing only."""
-        self.tokens += int((targets != 0).sum()) * jax.process_count()
+    def add(self, batch: dict[str, np.ndarray]) -> None:
+        """One step of this process's batch, counted for every process: each packs as
+        many rows of the same length, so the global count differs from this by packing
+        only."""
+        self.tokens += int((batch[self.counted] != 0).sum()) * jax.process_count()
         self.steps += 1
 
     def rates(self) -> dict[str, float]:

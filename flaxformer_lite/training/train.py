@@ -145,8 +145,8 @@ class Trainer:
             wall_start=wall_start, say=self.say,
         )  # fmt: skip
         self.logger.deadline = self.clock.deadline
-        self.meter = Throughput(flops.train_step_flops(c, t.batch_size, d.max_length,
-                                                       d.max_length, d.task))  # fmt: skip
+        step_flops = flops.train_step_flops(c, t.batch_size, d.max_length, d.max_length, d.task)
+        self.meter = Throughput(step_flops, "inputs" if d.task == "classify" else "targets")
         self.skipped = 0
         self.attention_stats = self._attention_stats_fn() if t.attention_stats_every else None
 
@@ -194,7 +194,7 @@ class Trainer:
             for step in range(first, t.num_steps + 1):
                 batch = next(self.iterator)
                 example_ids = batch.pop("example_ids", None)
-                self.meter.add(batch["targets"])
+                self.meter.add(batch)
                 lr_factor = self.clock.lr_factor(step)
                 self.state, metrics = self.p_train(self.state, self.par.put_batch(batch), lr_factor)
                 if step == first:
