@@ -82,6 +82,19 @@ def test_needle_asks_the_key_at_its_distance():
     assert seen == set(S.needle_distances(64).tolist()) == {2, 4, 8, 16, 32, 62}
 
 
+def test_needle_with_fewer_symbols_keeps_its_key_unique():
+    spec = S.parse("needle/l64_k4")
+    assert spec == S.Spec("needle", 64, 0, 4) and spec.name == "l64_k4"
+    assert S.Spec("needle", 64).name == "l64"  # the 128-symbol name is unchanged
+    for e in _first(spec, n=40):
+        t, d = e["targets"], int(e["group"][0])
+        keys, values = t[0:64:2], t[1:64:2]
+        assert keys.min() >= S.FIRST and keys.max() < S.FIRST + 4
+        assert values.min() >= S.FIRST + S.KEYS and values.max() < S.FIRST + S.KEYS + 4
+        assert (t[0:62:2] == t[62]).sum() == 1 and t[62 - d] == t[62]  # 3 keys left, still one
+        assert t[63] == t[62 - d + 1]
+
+
 def test_listops_values_and_lengths():
     assert S.listops_value(("[MAX", [2, 9, ("[MIN", [4, 7]), 0])) == 9
     assert S.listops_value(("[MED", [1, 5, 3])) == 3
@@ -118,6 +131,8 @@ def test_dataset_names_are_checked():
         ("mqar/l64", "mqar/l512_p32"),
         ("needle/x", "needle/l512"),
         ("needle/l64_p8_k16", "needle/l512"),
+        ("needle/l64_k1", "k1 symbols must be 2 to 128"),
+        ("listops/l64_k16", "listops/l512"),
         ("mqar/l16_p8", r"4 \* pairs <= 16"),
         ("mqar/l64_p8_k4", r"pairs <= 4 \(the k symbols\)"),
         ("mqar/l64_p8_k200", "k200 symbols must be 1 to 128"),

@@ -5,7 +5,8 @@
 
 ``get_config("TASK,lL[,pP][,kK]")``: ``mqar`` (multi-query associative recall, P pairs
 of keys and values drawn from K symbols each, default 128),
-``needle`` (one query at a controlled distance) or ``listops`` (classification) at
+``needle`` (one query at a controlled distance; K symbols too) or ``listops``
+(classification) at
 row length L (data/synthetic.py). The model: 2 layers, 64 wide, 2 heads, d_ff 256,
 pre-LN, no dropout, rotary positions, embeddings neither scaled by sqrt(d) nor tied to
 the output (the calibration in this folder's README: with the paper's scaled, tied
@@ -27,7 +28,7 @@ def get_config(arg: str | None = None):
     pairs = int(next((p[1:] for p in parts if p.startswith("p") and p[1:].isdigit()), 32))
     symbols = int(next((p[1:] for p in parts if p.startswith("k") and p[1:].isdigit()), 128))
     dataset = f"{task}/l{length}" + (f"_p{pairs}" if task == "mqar" else "")
-    if task == "mqar" and symbols != synthetic.KEYS:
+    if task != "listops" and symbols != synthetic.KEYS:
         dataset += f"_k{symbols}"
     classify = synthetic.TASK_OF[task] == "classify"
     model = ModelConfig(

@@ -1,8 +1,11 @@
 """What a training step of each pattern of the grid costs: time and peak memory.
 
   .venv/bin/python experiments/long_range/cost.py [--task listops] [--lengths 512,4096]
+  .venv/bin/python experiments/long_range/cost.py --task mqar_l64 --lengths 64 \
+      --out experiments/long_range/cost_mqar_l64.json
 
-The grid's model (config.py) for ``--task`` with each pattern of grid.py, one jitted
+The grid's model (config.py) for ``--task`` with each pattern of grid.py (scaled to
+the task's rows where grid.PATTERNS_OF says), one jitted
 training step on a synthetic batch of the config's shape (at the task's length; at
 longer lengths the same number of tokens in fewer rows), all compiled in one process
 and timed round-robin (each round steps every pattern once, so drift in the machine's
@@ -18,6 +21,7 @@ import argparse
 import functools
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -31,7 +35,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from grid import PATTERNS, TASKS  # noqa: E402
+from grid import PATTERNS, PATTERNS_OF, TASKS  # noqa: E402
 
 from flaxformer_lite.config import files  # noqa: E402
 from flaxformer_lite.config.model import model_config_from  # noqa: E402
@@ -70,9 +74,12 @@ def compiled_step(config, pattern: str, rows: int, length: int):
 def measure(task: str, length: int, rounds: int) -> dict:
     grid = files.load_config(str(HERE / "config.py"), TASKS[task])
     rows = max(1, grid.train.batch_size * grid.data.max_length // length)  # the grid's tokens
-    config = files.load_config(str(HERE / "config.py"), TASKS[task].replace("l512", f"l{length}"))
+    config = files.load_config(
+        str(HERE / "config.py"), re.sub(r"\bl\d+", f"l{length}", TASKS[task])
+    )
+    patterns = PATTERNS_OF.get(task, PATTERNS)
     runs = {}
-    for name, spec in PATTERNS.items():
+    for name, spec in patterns.items():
         fn, state, batch, peak = compiled_step(config, spec, rows, length)
         state, metrics = fn(state, batch)  # the first run, out of the timing
         jax.block_until_ready(metrics)
@@ -91,7 +98,7 @@ def measure(task: str, length: int, rounds: int) -> dict:
         "rows": rows,
         "patterns": {
             name: {
-                "spec": PATTERNS[name],
+                "spec": patterns[name],
                 "step_s": statistics.median(r["times"]),
                 "vs_dense": statistics.median(r["times"]) / dense,
                 "peak_mib": r["bytes"] / 2**20,

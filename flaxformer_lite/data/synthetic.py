@@ -12,10 +12,12 @@ pipeline, sweeps and workdirs serve them. A dataset is named ``task/config``:
   and values are drawn from ``K`` symbols each (default and at most 128; fewer
   symbols, more rows per symbol: a small model learns recall sooner, see
   experiments/long_range). The vocabulary stays the task's, whatever ``K``.
-* ``needle/l{L}``: one query at the end of a row of ``L`` tokens of key-value pairs
-  asks for the pair whose key stands ``d`` tokens before it (``d`` drawn per row from
-  powers of two up to ``L - 2``: ``group`` holds it), every other pair a distractor
-  with another key; scored on the one answer, to draw accuracy against distance.
+* ``needle/l{L}[_k{K}]``: one query at the end of a row of ``L`` tokens of key-value
+  pairs asks for the pair whose key stands ``d`` tokens before it (``d`` drawn per row
+  from powers of two up to ``L - 2``: ``group`` holds it), every other pair a
+  distractor with another key; scored on the one answer, to draw accuracy against
+  distance. Keys and values from ``K`` symbols each, as for ``mqar`` (at least 2: the
+  distractors need a key other than the needle's).
 * ``listops/l{L}``: the Long Range Arena's ListOps grammar (our own generator):
   nested ``[MAX``, ``[MIN``, ``[MED``, ``[SM`` (sum mod 10) over digits, up to 10
   levels and 10 arguments, rows of at most ``L`` tokens (at least ``L/4``); the
@@ -90,20 +92,25 @@ def needle_distances(length: int) -> np.ndarray:
     return np.asarray([*powers, length - 2], np.int32)
 
 
-def needle_example(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
+def needle_example(
+    rng: np.random.Generator, length: int, symbols: int = KEYS
+) -> dict[str, np.ndarray]:
     """A row of key-value pairs ending in one query whose key stands ``distance`` before
-    it (``group``); the other pairs' keys differ from the queried one."""
+    it (``group``); the other pairs' keys differ from the queried one. Keys and values
+    are drawn from the first ``symbols`` of each set."""
     if length < 6 or length % 2:
         raise ValueError(f"needle: the length must be even and >= 6, got {length}")
+    if not 2 <= symbols <= KEYS:
+        raise ValueError(f"needle: k{symbols} symbols must be 2 to {KEYS}")
     distance = int(rng.choice(needle_distances(length)))
     query = length - 2
-    needle = rng.integers(0, KEYS)
-    others = rng.integers(0, KEYS - 1, query // 2)
+    needle = rng.integers(0, symbols)
+    others = rng.integers(0, symbols - 1, query // 2)
     keys = np.where(others >= needle, others + 1, others)  # every key but the needle's
     keys[(query - distance) // 2] = needle
     tokens = np.empty(length, np.int32)
     tokens[0:query:2] = key_token(keys)
-    tokens[1:query:2] = value_token(rng.integers(0, VALUES, query // 2))
+    tokens[1:query:2] = value_token(rng.integers(0, symbols, query // 2))
     tokens[query], tokens[query + 1] = key_token(needle), tokens[query - distance + 1]
     weights = np.zeros(length, np.int32)
     weights[query + 1] = 1
@@ -179,11 +186,9 @@ class Spec:
 
     @property
     def name(self) -> str:
-        if self.task != "mqar":
-            return f"l{self.length}"
-        return f"l{self.length}_p{self.pairs}" + (
-            f"_k{self.symbols}" if self.symbols != KEYS else ""
-        )
+        pairs = f"_p{self.pairs}" if self.task == "mqar" else ""
+        symbols = f"_k{self.symbols}" if self.symbols != KEYS else ""
+        return f"l{self.length}{pairs}{symbols}"
 
     def examples(self, split: str) -> Iterator[dict[str, np.ndarray]]:
         seed = [sum(map(ord, self.task)), self.length, self.pairs, _SPLIT_SEED[split]]
@@ -194,23 +199,32 @@ class Spec:
             if self.task == "mqar":
                 yield mqar_example(rng, self.length, self.pairs, self.symbols)
             elif self.task == "needle":
-                yield needle_example(rng, self.length)
+                yield needle_example(rng, self.length, self.symbols)
             else:
                 yield listops_example(rng, self.length)
 
 
-_NAME = re.compile(r"^(mqar|needle|listops)/l(\d+)(?:_p(\d+)(?:_k(\d+))?)?$")
+_NAME = re.compile(r"^(mqar|needle|listops)/l(\d+)(?:_p(\d+))?(?:_k(\d+))?$")
+_EXAMPLE = {
+    "mqar": "mqar/l512_p32 (or mqar/l512_p32_k16)",
+    "needle": "needle/l512 (or needle/l512_k16)",
+    "listops": "listops/l512",
+}
 
 
 def parse(dataset: str) -> Spec | None:
-    """The Spec of ``task/l{L}[_p{P}[_k{K}]]``, None for another name, ValueError for a
+    """The Spec of ``task/l{L}[_p{P}][_k{K}]``, None for another name, ValueError for a
     bad one."""
     task = dataset.split("/")[0]
     if task not in TASK_OF:
         return None
     m = _NAME.match(dataset)
-    if not m or (task == "mqar") != (m.group(3) is not None):
-        example = "mqar/l512_p32 (or mqar/l512_p32_k16)" if task == "mqar" else f"{task}/l512"
+    if (
+        not m
+        or (task == "mqar") != (m.group(3) is not None)
+        or (task == "listops" and m.group(4) is not None)
+    ):
+        example = _EXAMPLE[task]
         raise ValueError(f"data.dataset={dataset!r}: write {task} datasets as {example}")
     spec = Spec(task, int(m.group(2)), int(m.group(3) or 0), int(m.group(4) or KEYS))
     next(iter(spec.examples("validation")))  # checks sizes
