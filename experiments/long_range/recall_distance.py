@@ -1,4 +1,4 @@
-"""Recall accuracy by the query's rank in its row and by its distance to the pair.
+"""Recall accuracy by the query's rank in its row, its distance to the pair, and the pair.
 
   .venv/bin/python experiments/long_range/recall_distance.py \\
       --collect experiments/long_range/runs/mqar_l128_p8      # score the runs (minutes)
@@ -13,10 +13,12 @@ which values have not been asked for yet scores 1/(P - k) on it, 34% over a row 
 P = 8, without any recall; only accuracy above that curve (and at k = 0, above 1/P) is
 recall. ``--collect`` scores each run of a sweep folder on the test split with the
 checkpoint the sweep scored (best validation accuracy), answer by answer, and writes
-the hits per distance bucket (L/8 tokens wide) and per query rank to
-``recall_distance.json`` (one row per run, sweeps side by side); the default redraws,
-for each sweep in it, ``recall_<sweep>.png`` and ``recall_<sweep>.md`` (mean ± std over
-seeds).
+the hits per distance bucket (L/8 tokens wide), per query rank and per queried pair
+(the j-th of the row: whether a pattern recalls the pairs its global tokens hold and
+not the others) to ``recall_distance.json`` (one row per run, sweeps side by side);
+the default redraws, for each sweep in it, ``recall_<sweep>.png`` and
+``recall_<sweep>.md`` (mean ± std over seeds), and for sweeps that differ only in their
+number of pairs, ``recall_pairs_<family>.md`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ sys.path.insert(0, str(HERE))
 from grid import PATTERNS  # noqa: E402
 
 RECORD = HERE / "recall_distance.json"
+# A run "recalls" when it answers the first query of a row (where elimination cannot
+# help, and chance is 1/P) at least this often: runs either learn the recall circuit
+# (~99% there) or stay near chance, ~50% at most (the sweeps' first-query accuracies).
+RECALLS = 0.9
 # Patterns by their kind where a sweep scaled the grid's specs to its row length.
 KINDS = {"dense": "dense", "local": "local", "dilated": "dilated", "sparse_strided": "strided",
          "longformer": "longformer", "bigbird": "bigbird", "topk": "topk"}  # fmt: skip
@@ -86,7 +92,7 @@ def score_run(folder: Path) -> dict:
     def predict(params, tokens):
         return jnp.argmax(model.apply({"params": params}, tokens), -1)
 
-    hits, counts, rank_hits = {}, {}, {}
+    hits, counts, rank_hits, pair_hits = {}, {}, {}, {}
     bucket = bucket_of(d.max_length)
     size = run.config.train.batch_size
     for start in range(0, len(examples), size):
@@ -101,24 +107,38 @@ def score_run(folder: Path) -> dict:
                 hits[b] = hits.get(b, 0) + hit
                 counts[b] = counts.get(b, 0) + 1
                 rank_hits[str(rank)] = rank_hits.get(str(rank), 0) + hit
+                pair = str((a - gap) // 2)  # the queried pair's index: its value is at 2j + 1
+                pair_hits[pair] = pair_hits.get(pair, 0) + hit
     return {"dataset": d.dataset, "checkpoint": f"{run.newest_kind()} {step}",
             "hits": hits, "answers": counts, "hits_by_rank": rank_hits,
+            "hits_by_pair": pair_hits,
             "rows": len(examples), "bucket": bucket}  # fmt: skip
 
 
 def collect(sweep: Path) -> None:
-    """Score every finished run of a sweep folder into the record (other sweeps' rows kept)."""
-    rows = [r for r in _read() if not r["sweep"] == sweep.name]
+    """Score every finished run of a sweep folder into the record (other sweeps' rows
+    kept; a run the record already holds is not scored again: a grown sweep scores its
+    new runs only, and a run scored before the record kept hits by pair is scored
+    again)."""
+    rows = [r for r in _read() if "hits_by_pair" in r or r["sweep"] != sweep.name]
+    done = {(r["sweep"], r["pattern"], r["seed"]) for r in rows}
     for line in (sweep / "results.jsonl").read_text().splitlines():
         row = json.loads(line)
-        if row.get("status") != "ok":
+        key = (sweep.name, row.get("overrides", {}).get("model.attention_pattern"), row.get("seed"))
+        if row.get("status") != "ok" or key in done:
             continue
         scored = score_run(sweep / row["run"])
         pattern = row["overrides"]["model.attention_pattern"]
         rows.append({"sweep": sweep.name, "pattern": pattern, "seed": row["seed"],
                      "test_accuracy": row.get("test_accuracy"), **scored})  # fmt: skip
         print(f"{row['run']}: {sum(scored['hits'].values()) / sum(scored['answers'].values()):.3f}")
-    RECORD.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _write(rows)  # after each run: an interrupted collect keeps what it scored
+
+
+def _write(rows: list[dict]) -> None:
+    tmp = RECORD.with_name(RECORD.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(RECORD)
 
 
 def _read() -> list[dict]:
@@ -204,24 +224,39 @@ def report_pairs(family: str, rows: list[dict]) -> None:
         m, s = _mean_std([100 * v for v in values])
         return f"{m:.1f} ± {s:.1f}"
 
-    head = " | ".join(f"P = {p}: all | P = {p}: first" for p in counts)
+    def recalled(values: list[float]) -> str:
+        return f"{sum(v >= RECALLS for v in values)}/{len(values)}"
+
+    head = " | ".join(f"P = {p}: all | first | recall" for p in counts)
+    pattern_of = family.replace("_k", "_p{P}_k") if "_k" in family else family + "_p{P}"
     lines = [
-        f"`{family.replace('_k', '_p{P}_k') if '_k' in family else family + '_p{P}'}`, "
-        "test split, the checkpoint with the best validation accuracy; recall accuracy (%), "
-        "mean ± std over seeds, over all answers and at the first query of each row "
-        "(where only recall beats 1/P).",
+        f"`{pattern_of}`, test split, the checkpoint with the best validation accuracy; "
+        "recall accuracy (%), mean ± std over seeds, over all answers and at the first "
+        "query of each row (where only recall beats 1/P); *recall*: the seeds whose "
+        f"first-query accuracy is at least {100 * RECALLS:.0f}% (they learned recall), of "
+        "the seeds run.",
         "",
         f"| pattern | spec | {head} |",
-        "|---|---|" + "---|---|" * len(counts),
+        "|---|---|" + "---|---|---|" * len(counts),
     ]
     for name, per in cells.items():
-        parts = [f"{cell(per[p]['all'])} | {cell(per[p]['first'])}" if p in per else "— | —"
-                 for p in counts]  # fmt: skip
+        parts = [
+            f"{cell(per[p]['all'])} | {cell(per[p]['first'])} | {recalled(per[p]['first'])}"
+            if p in per else "— | — | —"
+            for p in counts
+        ]  # fmt: skip
         lines.append(f"| {name} | `{specs[name]}` | " + " | ".join(parts) + " |")
-    chance = [f"{100 * statistics.mean(1 / (p - k) for k in range(p)):.1f} | {100 / p:.1f}"
+    chance = [f"{100 * statistics.mean(1 / (p - k) for k in range(p)):.1f} | {100 / p:.1f} | "
               for p in counts]  # fmt: skip
     lines.append("| elimination alone / chance | | " + " | ".join(chance) + " |")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0), sharey=True)
+    lines += ["", "First-query accuracy (%) of each seed, in seed order:", "",
+              "| pattern | " + " | ".join(f"P = {p}" for p in counts) + " |",
+              "|---|" + "---|" * len(counts)]  # fmt: skip
+    for name, per in cells.items():
+        seeds = [", ".join(f"{100 * v:.0f}" for v in per[p]["first"]) if p in per else "—"
+                 for p in counts]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(seeds) + " |")
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.0))
     for ax, key, title in ((axes[0], "all", "all answers"), (axes[1], "first", "first query")):
         for name, per in cells.items():  # the mean, and each seed (recall is all or nothing)
             xs = sorted(per)
@@ -238,6 +273,17 @@ def report_pairs(family: str, rows: list[dict]) -> None:
                  "k--", lw=1, label="elimination alone")  # fmt: skip
     axes[1].plot(counts, [100 / p for p in counts], "k:", lw=1, label="chance 1/P")
     axes[0].set_ylabel("test recall accuracy (%)")
+    axes[1].sharey(axes[0])
+    for i, (name, per) in enumerate(cells.items()):  # nudged apart: the counts coincide
+        xs = sorted(per)
+        share = [100 * statistics.mean(v >= RECALLS for v in per[x]["first"]) for x in xs]
+        axes[2].plot([x * 1.02 ** (i - 3) for x in xs], share, marker="o", ms=4, label=name)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xticks(counts, [str(p) for p in counts])
+    axes[2].set_xlabel("key-value pairs in the row (P)")
+    axes[2].set_ylabel(f"seeds that recall (first query ≥ {100 * RECALLS:.0f}%), %")
+    axes[2].set_ylim(-5, 105)
+    axes[2].set_title("seeds that learned recall")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle(f"{family}: recall against the number of pairs")
@@ -271,7 +317,18 @@ def report_sweep(sweep: str, rows: list[dict]) -> None:
         "",
         *_table(dist, buckets, lambda b: f"{b}-{b + bucket - 1}"),
     ]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.0))
+    by_pair = all("hits_by_pair" in r for r in rows)
+    if by_pair:
+        pair = by_pattern(rows, "hits_by_pair")
+        lines += [
+            "",
+            "Recall accuracy (%) by the queried pair (j: the j-th pair of the row, its key at "
+            "token 2j; a global block of the first b tokens holds pairs j < b/2):",
+            "",
+            *_table(pair, list(range(pairs)), lambda j: f"j = {j}"),
+        ]
+    fig, axes = plt.subplots(1, 3 if by_pair else 2, figsize=(15 if by_pair else 10, 4.0))
+    left, right = axes[0], axes[1]
     _curves(left, rank)
     left.plot(ranks, [100 / (pairs - k) for k in ranks], "k--", lw=1,
               label="elimination alone: 1/(P - k)")  # fmt: skip
@@ -284,6 +341,11 @@ def report_sweep(sweep: str, rows: list[dict]) -> None:
     right.axhline(100 / pairs, color="grey", ls=":", lw=1)
     right.set_xlabel("distance from the answer to the value it copies (tokens)")
     right.set_title("by distance")
+    if by_pair:
+        _curves(axes[2], pair)
+        axes[2].axhline(100 / pairs, color="grey", ls=":", lw=1)
+        axes[2].set_xlabel("queried pair j (its key at token 2j)")
+        axes[2].set_title("by queried pair")
     fig.suptitle(f"{dataset}: recall by query rank and by distance")
     fig.tight_layout()
     fig.savefig(HERE / f"recall_{sweep}.png", dpi=120, metadata={"Software": None})
