@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from flaxformer_lite.config.experiment import TEXT_TASKS, ExperimentConfig
-from flaxformer_lite.data import pipeline, sources, synthetic
+from flaxformer_lite.data import cooccurrence, pipeline, sources, synthetic
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 
 
@@ -191,8 +191,6 @@ def ppmi_table(config: ExperimentConfig, tokenizer: Tokenizer) -> np.ndarray:
         pieces = [tokenizer.sp.encode(list(column)) for column in zip(*texts, strict=True)]
         documents += [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
     vocab, dim = config.model.vocab_size, config.model.d_model
-    from flaxformer_lite.data import cooccurrence  # scipy, imported by the runs that use it
-
     table, covered = cooccurrence.ppmi_embeddings(documents, vocab, dim, seed=t.seed)
     print(
         f"embeddings: PPMI vectors for {covered} of {vocab} pieces from {len(documents)} "

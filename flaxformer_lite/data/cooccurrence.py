@@ -19,14 +19,20 @@ which is what makes the vectors bilingual. No JAX, seconds on a CPU.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.sparse as sparse
-import scipy.sparse.linalg as sparse_linalg
+
+if TYPE_CHECKING:
+    import scipy.sparse as sparse
+# scipy is imported by the functions that use it: every training process imports this
+# module (through data.assembly), and only runs with PPMI-initialised embeddings need it.
 
 
 def cooccurrence_counts(documents: Iterable[np.ndarray], vocab_size: int) -> sparse.csr_matrix:
     """``C[i, j]`` = number of documents holding both piece ``i`` and piece ``j`` (i != j)."""
+    import scipy.sparse as sparse
+
     rows = [np.unique(np.asarray(d, np.int64)) for d in documents]
     rows = [r[(r >= 0) & (r < vocab_size)] for r in rows]
     if not rows:
@@ -44,6 +50,8 @@ def cooccurrence_counts(documents: Iterable[np.ndarray], vocab_size: int) -> spa
 
 def ppmi(counts: sparse.spmatrix, smoothing: float = 0.75) -> sparse.csr_matrix:
     """Positive PMI of a symmetric count matrix, context probabilities ``∝ count**smoothing``."""
+    import scipy.sparse as sparse
+
     c = counts.tocoo()
     total = c.data.sum()
     if total <= 0:
@@ -77,6 +85,8 @@ def ppmi_embeddings(
         # The largest *algebraic* eigenpairs of the symmetric matrix, not its top singular
         # vectors: a piece and its translation that co-occur only with each other form
         # a +a/-a eigenvalue pair, and the SVD's U sqrt(S) would make them orthogonal.
+        import scipy.sparse.linalg as sparse_linalg
+
         v0 = rng.normal(size=vocab_size)  # a fixed start vector: the same result every run
         values, vectors = sparse_linalg.eigsh(matrix, k=k, which="LA", v0=v0)
         vectors = vectors * np.sqrt(np.maximum(values, 0.0))
