@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import scipy.sparse
 
 from flaxformer_lite.data import cooccurrence
 
@@ -21,7 +22,7 @@ def test_ppmi_matches_the_definition():
     counts = rng.integers(0, 5, (7, 7)).astype(np.float64)
     counts = counts + counts.T
     np.fill_diagonal(counts, 0)
-    got = cooccurrence.ppmi(cooccurrence.sparse.csr_matrix(counts), smoothing=0.75).toarray()
+    got = cooccurrence.ppmi(scipy.sparse.csr_matrix(counts), smoothing=0.75).toarray()
     total = counts.sum()
     p_ij = counts / total
     p_i = counts.sum(1) / total
