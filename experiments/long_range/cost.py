@@ -5,9 +5,9 @@
       --out experiments/long_range/cost_mqar_l64.json
 
 The grid's model (config.py) for ``--task`` with each pattern of grid.py (scaled to
-the task's rows where grid.PATTERNS_OF says), one jitted
-training step on a synthetic batch of the config's shape (at the task's length; at
-longer lengths the same number of tokens in fewer rows), all compiled in one process
+the task's rows where grid.PATTERNS_OF says), one jitted training step on a synthetic
+batch of the config's shape (at the task's length; at longer lengths the same number
+of tokens in fewer rows), all compiled in one process
 and timed round-robin (each round steps every pattern once, so drift in the machine's
 speed falls on all of them alike): the median step time over ``--steps`` rounds, its
 ratio to dense, and XLA's peak buffer bytes of the compiled step (arguments + outputs +
