@@ -1,21 +1,25 @@
 """Is learned attention mostly sparse? The share of each head's attention mass inside
-local windows, the top-k keys and BigBird's pattern, on two trained runs.
+local windows, the top-k keys and BigBird's pattern, on trained runs of two models,
+several seeds each.
 
   .venv/bin/python experiments/attention_sparsity/run.py \\
-      [--translation=runs/ende_fixed] [--lm=runs/lm_kjv] [--texts=100]
+      [--translation RUN [RUN ...]] [--lm RUN [RUN ...]] [--texts=100] [--report]
 
-The translation run is the demo's (configs/ende_small.py at its fixed 1,560 steps,
-experiments/translation_recipe); its texts are the first ``--texts`` validation
+The translation runs are the demo's (configs/ende_small.py at its fixed 1,560 steps,
+experiments/translation_recipe); their texts are the first ``--texts`` validation
 sentences of ding_de_en, each translated by the run (beam 4) and read back with the
-weights sown. The language model is configs/lm_small.py on the KJV (``--lm``, trained
-by the command in this folder's README); its texts are the validation books' verses
-joined into passages of about 100 pieces. For every attention module and head:
+weights sown. The language models are configs/lm_small.py on the KJV (trained by the
+commands in this folder's README); their texts are the validation books' verses joined
+into passages of about 100 pieces. For every attention module and head:
 ``inference/diagnostics.py``'s entropy, mean distance, largest logit and the mass
 inside each pattern below, averaged over the texts by their numbers of queries; and,
 for scale, the mass the same patterns hold of *uniform* attention over the same texts
-(a pattern covering 30% of the keys keeps 30% of a uniform head). Writes
-results.json, table.md and sparsity.png here; ``--report`` redraws the last two from
-results.json alone (a fresh clone, no trained runs).
+(a pattern covering 30% of the keys keeps 30% of a uniform head).
+
+Each measured run is filed in results.json under its model and training seed,
+replacing an earlier entry of the same seed, so seeds can be measured one at a time;
+table.md and sparsity.png give the mean +- std over the seeds filed. ``--report``
+redraws those two from results.json alone (a fresh clone, no trained runs).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ PATTERNS = (
     BIGBIRD,
 )
 KINDS = {"encoder": "encoder self", "decoder": "decoder self", "cross": "cross"}
+MODEL_NAMES = {"translation": "translation", "lm": "language model"}
 
 
 MODULES = {"encoder": ("encoder", "self_attention"), "decoder": ("decoder", "self_attention"),
@@ -116,11 +121,12 @@ def summary(stats: dict) -> dict:
     }
 
 
-def measure(workdir: str, texts: list[str]) -> dict:
-    translator = Translator.from_workdir(workdir)
+def measure(translator, texts: list[str]) -> dict:
     learned, uniform = stats_of(translator, texts)
     return {
-        "workdir": workdir,
+        "workdir": str(translator.run.workdir),
+        "seed": int(translator.run.config.train.seed),
+        "checkpoint": translator.checkpoint,
         "texts": len(texts),
         "learned": summary(learned),
         "uniform": summary(uniform),
@@ -130,72 +136,131 @@ def measure(workdir: str, texts: list[str]) -> dict:
     }
 
 
+def file_run(result: dict, model: str, entry: dict) -> None:
+    """Put ``entry`` in ``result``'s runs of ``model``, replacing the same seed's."""
+    runs = [r for r in result["runs"].get(model, []) if r["seed"] != entry["seed"]]
+    result["runs"][model] = sorted([*runs, entry], key=lambda r: r["seed"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--translation", default="runs/ende_fixed")
-    parser.add_argument("--lm", default="runs/lm_kjv")
+    parser.add_argument("--translation", nargs="*", default=[], help="trained ende_small runs")
+    parser.add_argument("--lm", nargs="*", default=[], help="trained lm_small runs")
     parser.add_argument("--texts", type=int, default=100)
     parser.add_argument("--data_dir", default="data/tfds")
     parser.add_argument(
         "--report", action="store_true", help="redraw table.md and sparsity.png from results.json"
     )
     args = parser.parse_args()
-    if args.report:
-        result = json.loads((HERE / "results.json").read_text())
-        write_table(result)
-        draw(result)
-        return
-    result = {"patterns": list(PATTERNS)}
-    sentences = [p[0] for p in load_texts("ding_de_en", "validation", ("en",), args.data_dir)]
-    result["translation"] = measure(args.translation, sentences[: args.texts])
-    print("translation: done", flush=True)
-    if Path(args.lm).is_dir():
-        lm = Translator.from_workdir(args.lm)
-        verses = [v[0] for v in load_texts("bible_en_es", "validation", ("en",), args.data_dir)]
-        result["lm"] = measure(args.lm, passages(verses, lm.tokenizer)[: args.texts])
-        print("lm: done", flush=True)
-    (HERE / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    path = HERE / "results.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result.setdefault("patterns", list(PATTERNS))
+    result.setdefault("runs", {})
+    if not args.report:
+        for workdir in [*args.translation, *args.lm]:
+            if not Path(workdir, "config.json").is_file():
+                sys.exit(
+                    f"error: {workdir} is not a trained run (no config.json); train it with "
+                    "the commands in experiments/attention_sparsity/README.md"
+                )
+        if args.translation:
+            pairs = load_texts("ding_de_en", "validation", ("en",), args.data_dir)
+            sentences = [p[0] for p in pairs][: args.texts]
+            for workdir in args.translation:
+                translator = Translator.from_workdir(workdir)
+                file_run(result, "translation", measure(translator, sentences))
+                print(f"translation {workdir}: done", flush=True)
+        if args.lm:
+            verses = [v[0] for v in load_texts("bible_en_es", "validation", ("en",), args.data_dir)]
+            for workdir in args.lm:
+                lm = Translator.from_workdir(workdir)
+                file_run(result, "lm", measure(lm, passages(verses, lm.tokenizer)[: args.texts]))
+                print(f"lm {workdir}: done", flush=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(path)
     write_table(result)
     draw(result)
 
 
+def over_seeds(runs: list[dict], side: str, kind: str, name: str, of: str = "mean"):
+    """(mean, std) over ``runs`` of one statistic's ``of`` (mean / min / max over heads),
+    or None where a run lacks it."""
+    values = [r[side][kind][name][of] for r in runs if name in r[side].get(kind, {})]
+    if len(values) < len(runs) or not values:
+        return None
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+NAMES = (
+    ["entropy", "distance"]
+    + [f"mass_in:local:window={w}" for w in WINDOWS[1::2]]
+    + [f"mass_in:topk:k={k}" for k in TOPK[1::2]]
+    + [f"mass_in:{BIGBIRD}"]
+)
+
+
 def write_table(result: dict) -> None:
     lines = [
-        "| run | attention | entropy (nats) | distance | "
+        "Each cell: the mean over seeds of a statistic's mean over modules and heads, "
+        "+- its std over seeds; in parentheses, what the same pattern keeps of uniform "
+        "attention over the same texts.",
+        "",
+        "| run | attention | seeds | entropy (nats) | distance | "
         + " | ".join(f"in local w={w}" for w in WINDOWS[1::2])
         + " | " + " | ".join(f"in top-{k}" for k in TOPK[1::2])
         + " | in BigBird |",
-        "|---|---|" + "---:|" * (2 + len(WINDOWS[1::2]) + len(TOPK[1::2]) + 1),
+        "|---|---|---:|" + "---:|" * len(NAMES),
     ]  # fmt: skip
-    for run in ("translation", "lm"):
-        if run not in result:
+    for model in ("translation", "lm"):
+        runs = result["runs"].get(model, [])
+        if not runs:
             continue
-        learned, uniform = result[run]["learned"], result[run]["uniform"]
         for kind in ("encoder", "decoder", "cross"):
-            if kind not in learned:
+            if kind not in runs[0]["learned"]:
                 continue
-            got, base = learned[kind], uniform[kind]
 
-            def cell(name, got=got, base=base):
-                if name not in got:
+            def cell(name, runs=runs, kind=kind):
+                got = over_seeds(runs, "learned", kind, name)
+                base = over_seeds(runs, "uniform", kind, name)
+                if got is None:
                     return "—"
-                return f"{got[name]['mean']:.2f} ({base[name]['mean']:.2f})"
+                digits = 1 if name == "distance" else 2
+                return f"{got[0]:.{digits}f} ± {got[1]:.{digits}f} ({base[0]:.{digits}f})"
 
-            names = [f"mass_in:local:window={w}" for w in WINDOWS[1::2]]
-            names += [f"mass_in:topk:k={k}" for k in TOPK[1::2]] + [f"mass_in:{BIGBIRD}"]
             lines.append(
-                f"| {run} | {KINDS[kind]} | {cell('entropy')} | {cell('distance')} | "
-                + " | ".join(cell(n) for n in names) + " |"
+                f"| {MODEL_NAMES[model]} | {KINDS[kind]} | {len(runs)} | "
+                + " | ".join(cell(n) for n in NAMES) + " |"
             )  # fmt: skip
+    lines += [
+        "",
+        "Per head, over all seeds: the lowest and highest head's share (uniform's in parentheses).",
+        "",
+        "| run | attention | in top-2 | in top-8 | in local w=8 | in BigBird |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for model in ("translation", "lm"):
+        runs = result["runs"].get(model, [])
+        for kind in ("encoder", "decoder"):
+            if not runs or kind not in runs[0]["learned"]:
+                continue
+            cells = []
+            for name in ("mass_in:topk:k=2", "mass_in:topk:k=8", "mass_in:local:window=8",
+                         f"mass_in:{BIGBIRD}"):  # fmt: skip
+                lo = min(r["learned"][kind][name]["min"] for r in runs)
+                hi = max(r["learned"][kind][name]["max"] for r in runs)
+                base = np.mean([r["uniform"][kind][name]["mean"] for r in runs])
+                cells.append(f"{lo:.2f}-{hi:.2f} ({base:.2f})")
+            lines.append(f"| {MODEL_NAMES[model]} | {KINDS[kind]} | " + " | ".join(cells) + " |")
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 def draw(result: dict) -> None:
-    runs = [r for r in ("translation", "lm") if r in result]
-    fig, axes = plt.subplots(len(runs), 2, figsize=(10, 3.4 * len(runs)), squeeze=False)
-    for row, run in enumerate(runs):
-        learned, uniform = result[run]["learned"], result[run]["uniform"]
+    models = [m for m in ("translation", "lm") if result["runs"].get(m)]
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.4 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        runs = result["runs"][model]
         for col, (label, sizes, name) in enumerate(
             [
                 ("local window w", WINDOWS, "mass_in:local:window={}"),
@@ -204,19 +269,23 @@ def draw(result: dict) -> None:
         ):
             ax = axes[row][col]
             for kind, colour in (("encoder", "C0"), ("decoder", "C1")):
-                if kind not in learned:
+                if kind not in runs[0]["learned"]:
                     continue
-                got = [learned[kind][name.format(s)]["mean"] for s in sizes]
-                lo = [learned[kind][name.format(s)]["min"] for s in sizes]
-                base = [uniform[kind][name.format(s)]["mean"] for s in sizes]
-                ax.plot(sizes, got, "o-", color=colour, label=f"{KINDS[kind]}: learned (mean)")
-                ax.plot(sizes, lo, ":", color=colour, label=f"{KINDS[kind]}: lowest head")
+                got = [over_seeds(runs, "learned", kind, name.format(s)) for s in sizes]
+                lo = [over_seeds(runs, "learned", kind, name.format(s), "min")[0] for s in sizes]
+                base = [over_seeds(runs, "uniform", kind, name.format(s))[0] for s in sizes]
+                ax.errorbar(sizes, [g[0] for g in got], yerr=[g[1] for g in got], fmt="o-",
+                            color=colour, capsize=3,
+                            label=f"{KINDS[kind]}: learned (mean ± std over seeds)")  # fmt: skip
+                ax.plot(sizes, lo, ":", color=colour, label=f"{KINDS[kind]}: lowest head (mean)")
                 ax.plot(sizes, base, "--", color=colour, alpha=0.5, label=f"{KINDS[kind]}: uniform")
             ax.set_xscale("log", base=2)
             ax.set_ylim(0, 1.02)
             ax.set_xlabel(label)
             ax.set_ylabel("share of attention mass")
-            ax.set_title(f"{run} ({result[run]['texts']} texts)", fontsize=9)
+            seeds = ", ".join(str(r["seed"]) for r in runs)
+            ax.set_title(f"{MODEL_NAMES[model]}: seeds {seeds}, {runs[0]['texts']} texts",
+                         fontsize=9)  # fmt: skip
             ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(HERE / "sparsity.png", dpi=100)
