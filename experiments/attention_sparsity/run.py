@@ -121,12 +121,23 @@ def summary(stats: dict) -> dict:
     }
 
 
+def last_validation(workdir: Path) -> dict:
+    """The run's last validation record (step, perplexity, and BLEU where it scored it)."""
+    path = Path(workdir) / "metrics.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    records = [r for r in records if r.get("split") == "validation"]
+    if not records:
+        return {}
+    return {k: records[-1][k] for k in ("step", "perplexity", "bleu") if k in records[-1]}
+
+
 def measure(translator, texts: list[str]) -> dict:
     learned, uniform = stats_of(translator, texts)
     return {
         "workdir": str(translator.run.workdir),
         "seed": int(translator.run.config.train.seed),
         "checkpoint": translator.checkpoint,
+        "validation": last_validation(translator.run.workdir),
         "texts": len(texts),
         "learned": summary(learned),
         "uniform": summary(uniform),
@@ -232,6 +243,22 @@ def write_table(result: dict) -> None:
                 f"| {MODEL_NAMES[model]} | {KINDS[kind]} | {len(runs)} | "
                 + " | ".join(cell(n) for n in NAMES) + " |"
             )  # fmt: skip
+    lines += [
+        "",
+        "The runs measured: their last validation (perplexity; BLEU for translation).",
+        "",
+        "| run | seed | checkpoint | validation perplexity | validation BLEU |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for model in ("translation", "lm"):
+        for r in result["runs"].get(model, []):
+            v = r.get("validation", {})
+            ppl = f"{v['perplexity']:.1f}" if "perplexity" in v else "—"
+            bleu = f"{v['bleu']:.2f}" if "bleu" in v else "—"
+            lines.append(
+                f"| {MODEL_NAMES[model]} | {r['seed']} | {r.get('checkpoint') or '—'} | {ppl} | "
+                f"{bleu} |"
+            )
     lines += [
         "",
         "Per head, over all seeds: the lowest and highest head's share (uniform's in parentheses).",
