@@ -16,7 +16,8 @@
 ``train`` (the default command) trains or resumes (SIGTERM or Ctrl-C: it saves a
 checkpoint after the current step and prints the command that resumes; Ctrl-C
 twice stops at once); ``average`` writes the mean
-of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20);
+of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20) from the
+run's late ``--window``;
 ``translate`` translates its arguments, ``--input`` or standard input;
 ``evaluate`` translates a split and reports BLEU and chrF with signatures;
 ``generate`` continues its arguments (``--input`` or standard input) with a
@@ -61,6 +62,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, logs, tokenizer.")
 _NUM = flags.DEFINE_integer("num", 5, "average: how many of the last checkpoints.")
+_WINDOW = flags.DEFINE_float(
+    "window",
+    None,
+    "average: the late share of the run's steps to take checkpoints from "
+    "(default: the run's train.final_window, 0.25; 1 = any kept checkpoint).",
+)
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "train on several processes: process 0's host:port."
 )
@@ -170,7 +177,7 @@ def _train(texts: list[str]) -> None:
 def _average(texts: list[str]) -> None:
     from flaxformer_lite.inference.average import average_workdir
 
-    average_workdir(_WORKDIR.value, _NUM.value)
+    average_workdir(_WORKDIR.value, _NUM.value, _WINDOW.value)
 
 
 def _translate(texts: list[str]) -> None:
@@ -245,7 +252,7 @@ def _decode_options() -> dict:
 
 COMMANDS = {
     "train": Command(_train, ("config", *PROCESSES)),
-    "average": Command(_average, ("num",)),
+    "average": Command(_average, ("num", "window")),
     "translate": Command(_translate, ("input", "ensemble", *DECODE), texts=True),
     "evaluate": Command(_evaluate, ("split", "limit", "ensemble", *DECODE)),
     "generate": Command(_generate, ("input", "ensemble", *SAMPLING), texts=True),

@@ -85,6 +85,31 @@ def _optional_splits(spec: str) -> tuple[Split, ...]:
     return parse_train_splits(spec, allow_empty=True)
 
 
+def parse_curve(spec: str) -> tuple[tuple[int, float], ...]:
+    """``"600:5.1,1560:7.9"`` -> ((600, 5.1), (1560, 7.9)): a measured value by steps
+    reached, the steps increasing ('' = none)."""
+    if isinstance(spec, tuple):  # already parsed
+        return spec
+    points = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        step, _, value = item.partition(":")
+        try:
+            point = (int(step), float(value))
+        except ValueError:
+            point = None
+        if point is None or point[0] <= 0 or (points and point[0] <= points[-1][0]):
+            raise ConfigError(
+                f"{item!r} is not a point 'steps:value' with more steps than the one before "
+                "it (e.g. '600:5.1,1560:7.9')"
+            )
+        points.append(point)
+    return tuple(points)
+
+
+def format_curve(points: tuple[tuple[int, float], ...]) -> str:
+    return ",".join(f"{step}:{value:g}" for step, value in points)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Section):
     """``config.data``: which corpus, which direction, how it is cut and packed."""
@@ -189,6 +214,25 @@ class TrainConfig(Section):
     eval_every: int = option(1000, "steps between validations", rule=POSITIVE)
     checkpoint_every: int = option(1000, "steps between checkpoints", rule=POSITIVE)
     keep_checkpoints: int = option(5, "last checkpoints kept", rule=POSITIVE)
+    # The paper averages the last 5 checkpoints of a 12-hour run, its last ~7%. A
+    # wall-clock budget on a slow machine holds few checkpoint_every steps: without
+    # these, `average --num=4` reached back two thirds of a 600-step run and lost a
+    # BLEU point (experiments/translation_recipe, "Averaging the end of a run").
+    final_checkpoints: int = option(
+        4, "> 0: this many checkpoints evenly over the last final_window of the run "
+        "(of max_minutes where set, else of num_steps; a step budget only where "
+        "checkpoint_every leaves fewer there), the last at its end (0 = off)",
+        rule=NON_NEGATIVE,
+    )  # fmt: skip
+    final_window: float = option(
+        0.25, "the late share of a run's steps that final_checkpoints fill and `average` "
+        "takes its checkpoints from", rule=UNIT_INTERVAL,
+    )  # fmt: skip
+    expected_bleu: tuple = option(
+        (), "test BLEU the recipe gave by steps reached, 'steps:BLEU,...' (its experiment "
+        "record): the log says what this machine's budget will reach ('' = off)",
+        parse=parse_curve, unparse=format_curve,
+    )  # fmt: skip
     best_metric: str = option(
         "loss", "validation metric that selects the best checkpoint", choices=tuple(BEST_METRICS)
     )

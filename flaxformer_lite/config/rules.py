@@ -282,6 +282,11 @@ def check_train(t: Any) -> None:
                 f"config.train.attention_stats_patterns: {spec!r} is one pattern for every "
                 "head (no '|' layers or ';' head groups)"
             )
+    if t.final_checkpoints and not t.final_window:
+        raise ConfigError(
+            f"config.train.final_checkpoints={t.final_checkpoints} needs a window to place "
+            "them in: set train.final_window > 0 (e.g. 0.25) or final_checkpoints=0"
+        )
     if t.concurrent_splits > 1 and t.microbatches > 1:
         raise ConfigError(
             f"config.train.concurrent_splits={t.concurrent_splits} and microbatches="

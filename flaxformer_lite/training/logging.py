@@ -65,8 +65,9 @@ class MetricsLogger:
         self.examples_file.write(json.dumps({"step": step, "ids": ids}) + "\n")
         self.examples_file.flush()
 
-    def progress(self, step: int, metrics: dict[str, float]) -> None:
-        """``step 120/3000 [###.......] loss 4.31 acc 0.31 12.3k tok/s ETA 9:41``."""
+    def progress(self, step: int, metrics: dict[str, float], outlook: str = "") -> None:
+        """``step 120/3000 [###.......] loss 4.31 acc 0.31 12.3k tok/s ETA 9:41``, then
+        ``outlook`` (where a time budget will stop the run)."""
         if self.start_step is None:
             self.start_step, self.start_time = step, time.perf_counter()
         done = step - self.start_step
@@ -82,7 +83,7 @@ class MetricsLogger:
             f"step {step}/{self.total_steps} [{bar}] loss {metrics['loss']:.3f} "
             f"acc {metrics['accuracy']:.3f} lr {metrics['learning_rate']:.2e} "
             f"{metrics.get('tokens_per_sec', 0.0) / 1000:.1f}k tok/s "
-            f"ETA {_format_duration(eta) if math.isfinite(eta) else '?'}"
+            f"ETA {_format_duration(eta) if math.isfinite(eta) else '?'}{outlook}"
         )
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
 

@@ -90,6 +90,83 @@ class Clock:
         """Minutes of training of the run, this command's included."""
         return self.spent_before + (time.perf_counter() - self.start) / 60
 
+    @property
+    def timed(self) -> bool:
+        return math.isfinite(self.deadline)
+
+    def progress(self, step: int) -> float:
+        """The share of the run's budget spent at ``step``: of ``num_steps``, or of
+        ``max_minutes`` where that is nearer its end (this process's clock)."""
+        done = step / self.num_steps
+        return max(done, self.minutes() / self.max_minutes) if self.timed else done
+
+    def projected_steps(self, step: int, seconds_per_step: float) -> int:
+        """The step the run will stop at if the steps to come take ``seconds_per_step``."""
+        if not self.timed or not seconds_per_step > 0:
+            return self.num_steps
+        left = max(self.deadline - time.perf_counter(), 0.0)
+        return min(self.num_steps, step + int(left / seconds_per_step))
+
+
+def final_fractions(count: int, window: float) -> list[float]:
+    """The shares of a run's budget at which its final checkpoints fall: ``count`` of
+    them evenly over the last ``window``, the last at the end (1.0)."""
+    return [1 - window + window * i / count for i in range(1, count + 1)]
+
+
+def read_curve(curve: tuple[tuple[int, float], ...], steps: int) -> tuple[float, str]:
+    """The value of a measured ``curve`` ((steps, value), ...) at ``steps``: linear
+    between its points, its end value beyond them; and how it was read ('' inside the
+    curve, else 'at most' / 'at least' with the end's steps)."""
+    (first_step, first_value), (last_step, last_value) = curve[0], curve[-1]
+    if steps <= first_step:
+        return first_value, "" if steps == first_step else f"its first point, {first_step:,} steps"
+    if steps >= last_step:
+        return last_value, "" if steps == last_step else f"its last point, {last_step:,} steps"
+    for (s0, v0), (s1, v1) in zip(curve, curve[1:], strict=False):
+        if s0 <= steps <= s1:
+            return v0 + (v1 - v0) * (steps - s0) / (s1 - s0), ""
+    raise AssertionError("unreachable: the curve's steps increase")
+
+
+class FinalCheckpoints:
+    """When a run writes its final checkpoints (``train.final_checkpoints``), so that
+    ``average`` finds late ones on any machine: at fixed shares of the budget, the
+    minutes where the run has a wall-clock budget (the steps it reaches are not known
+    in advance), else the steps. A step budget whose ``checkpoint_every`` already puts
+    ``count`` checkpoints in the window gets none (the cadence is enough). The end of
+    the run is saved anyway (the loop's ``last``); :meth:`due` answers for the rest."""
+
+    def __init__(self, clock: Clock, *, count: int, window: float, every: int, start_step: int):
+        self.clock = clock
+        marks = final_fractions(count, window)[:-1] if count else []
+        if marks and not clock.timed:
+            n = clock.num_steps
+            cadence = {s for s in range(every, n + 1, every) if s >= (1 - window) * n}
+            marks = [] if len(cadence | {n}) >= count else marks
+        # A resumed run skips the marks its earlier commands passed.
+        start = clock.progress(start_step) if start_step else 0.0
+        self.marks = [m for m in marks if m > start]
+
+    def steps(self) -> list[int]:
+        """A step budget's final checkpoint steps (its marks as steps; the end apart)."""
+        return sorted({max(1, math.ceil(m * self.clock.num_steps)) for m in self.marks})
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` crosses the next mark (the chief's clock decides, read by
+        every process at the agreement steps)."""
+        if not self.marks:
+            return False
+        progress = self.clock.progress(step)
+        if self.clock.timed:
+            if not self.clock.agreed(progress >= self.marks[0], step):
+                return False
+            progress = distributed.chief_value(progress)
+        elif progress < self.marks[0]:
+            return False
+        self.marks = [m for m in self.marks if m > progress]
+        return True
+
 
 class Throughput:
     """Tokens and steps since the last :meth:`reset`, and the rates they give. The

@@ -23,7 +23,7 @@ from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, startup
 from flaxformer_lite.training.logging import MetricsLogger
-from flaxformer_lite.training.loop import Clock, Throughput
+from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Throughput, read_curve
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.startup import TrainingError
 from flaxformer_lite.training.state import (
@@ -145,6 +145,12 @@ class Trainer:
             wall_start=wall_start, say=self.say,
         )  # fmt: skip
         self.logger.deadline = self.clock.deadline
+        self.finals = FinalCheckpoints(
+            self.clock, count=t.final_checkpoints, window=t.final_window,
+            every=t.checkpoint_every, start_step=self.start,
+        )  # fmt: skip
+        self.pace: tuple[int, float] | None = None  # (step, time) after the first compiled step
+        self.outlook_said = False
         step_flops = flops.train_step_flops(c, t.batch_size, d.max_length, d.max_length, d.task)
         self.meter = Throughput(step_flops, "inputs" if d.task == "classify" else "targets")
         self.skipped = 0
@@ -199,11 +205,13 @@ class Trainer:
                 self.state, metrics = self.p_train(self.state, self.par.put_batch(batch), lr_factor)
                 if step == first:
                     distributed.WATCHDOG.start()  # several processes: stop if a peer dies
+                    self.pace = (step, time.perf_counter())  # compiled: steps time from here
                 if example_ids is not None:
                     self.logger.examples(step, example_ids)
                 out_of_time = self.clock.out_of_time(step)
                 preempted = self.clock.agreed(stop.requested is not None, step)
                 last = step == t.num_steps or out_of_time or preempted
+                final_due = self.finals.due(step)  # every step, on every process
                 acted = False
                 if step % t.log_every == 0 or last:
                     self.log(step, metrics)
@@ -211,7 +219,7 @@ class Trainer:
                 if step % t.eval_every == 0 or (last and not preempted):
                     final = self.validate(step)
                     acted = True
-                if step % t.checkpoint_every == 0 or last:
+                if step % t.checkpoint_every == 0 or last or final_due:
                     self.save(step, metrics)
                     acted = True
                 if t.attention_stats_every and step % t.attention_stats_every == 0:
@@ -240,13 +248,49 @@ class Trainer:
         m.update(self.meter.rates())
         self.logger.write(step, m)
         if self.is_chief:
-            self.logger.progress(step, m)
+            projected = self._projected_steps(step)
+            outlook = f" -> step ~{projected:,}" if self.clock.timed and projected else ""
+            self.logger.progress(step, m, outlook)
+            said = self.outlook_said or not (self.clock.timed or self.config.train.expected_bleu)
+            if projected and not said:
+                self.outlook_said = True
+                self.logger.message(self._outlook(step, projected))
         if m.get("skipped_updates", 0) > self.skipped:
             self.skipped = int(m["skipped_updates"])
             self.logger.message(
                 f"spike guard: {self.skipped} update(s) skipped so far (the last at or before "
                 f"step {step}; optimizer.spike_factor={self.config.optimizer.spike_factor:g})"
             )
+
+    def _projected_steps(self, step: int) -> int | None:
+        """Where the run will stop, from the pace of the steps since the first compiled
+        one (evaluations and saves included); None before a step has been timed."""
+        if self.pace is None or step <= self.pace[0]:
+            return None
+        pace_step, since = self.pace
+        return self.clock.projected_steps(step, (time.perf_counter() - since) / (step - pace_step))
+
+    def _outlook(self, step: int, projected: int) -> str:
+        """What this machine's budget will reach, and what the recipe's record gives
+        there (``train.expected_bleu``): said once, after the first logged window."""
+        t = self.config.train
+        seconds = (time.perf_counter() - self.pace[1]) / (step - self.pace[0])
+        text = (
+            f"outlook: {seconds:.2f} s a step here, so train.max_minutes={t.max_minutes:g} "
+            f"ends near step {projected:,} of {t.num_steps:,}"
+            if self.clock.timed
+            else f"outlook: {seconds:.2f} s a step here, {projected:,} steps"
+        )
+        if t.expected_bleu:
+            value, beyond = read_curve(t.expected_bleu, projected)
+            end_step, end_value = t.expected_bleu[-1]
+            text += (
+                f"; this recipe's record gives test BLEU ~{value:.1f} at {projected:,} steps"
+                + (f" ({beyond})" if beyond else "")
+                + (f" and {end_value:.1f} at {end_step:,}" if end_step > projected else "")
+                + " (train.expected_bleu)"
+            )
+        return text
 
     def validate(self, step: int) -> dict[str, float]:
         """Validation loss (and greedy BLEU) of the evaluated parameters; the best
