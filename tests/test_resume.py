@@ -34,13 +34,26 @@ def _last_params(workdir, config):
     return params, step
 
 
-def test_resume_is_exact(fixture_data, tmp_path):
+def test_resume_is_exact(fixture_data, tmp_path, capsys):
     _, data_dir = fixture_data
     # No validation BLEU: its greedy decode is not part of what resumes (test_cli's runs
     # cover it) and costs each of the three runs a compilation.
     kw = dict(checkpoint_every=3, eval_bleu_sentences=0)
     straight = tmp_path / "straight"
-    train_and_evaluate(debug_config(data_dir, num_steps=6, **kw), straight)
+    # The straight run also writes final checkpoints (the cadence leaves only step 6 in
+    # the last quarter, 4.5-6; the marks 4.875 and 5.25 both fall to step 5) and says
+    # what the recorded curve gives at its 6 steps: saves and words change no parameter.
+    config = debug_config(data_dir, num_steps=6, final_checkpoints=4, **kw)
+    config.train.expected_bleu = "4:1.0,8:3.0"
+    train_and_evaluate(config, straight)
+    assert ckpt_lib.steps(straight) == [3, 5, 6]
+    said = capsys.readouterr().out
+    assert "6 steps; this recipe's record gives test BLEU ~2.0 at 6 steps and 3.0 at 8" in said
+    # `average` takes the late window only (from step 5), and says what it left out.
+    assert average_workdir(straight, 4) == (6, [5, 6])
+    said = capsys.readouterr().out
+    assert "--num=4: the last 25% of the run's 6 steps (from step 5) holds 2" in said
+    assert "left out steps 3: before the last 25%" in said
     split = tmp_path / "split"
     train_and_evaluate(debug_config(data_dir, num_steps=3, **kw), split)
     metrics = train_and_evaluate(debug_config(data_dir, num_steps=6, **kw), split)
@@ -49,9 +62,9 @@ def test_resume_is_exact(fixture_data, tmp_path):
     b, step_b = _last_params(split, debug_config(data_dir))
     assert step_a == step_b == 6
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    # Averaging the last two checkpoints (3 and 6), of the moving average the run
-    # evaluated with (the default config keeps one).
-    average_workdir(split, 2)
+    # Averaging the last two checkpoints (3 and 6: --window=1 reaches back to any), of
+    # the moving average the run evaluated with (the default config keeps one).
+    average_workdir(split, 2, window=1.0)
     avg, _ = ckpt_lib.restore_params(split, a, kind="averaged")
     target = abstract_train_state(debug_config(data_dir))
     state3, _ = ckpt_lib.Checkpoints(split).restore(target, 3)
@@ -66,7 +79,7 @@ def test_resume_is_exact(fixture_data, tmp_path):
         lambda m, want: np.testing.assert_allclose(np.asarray(m), want, rtol=1e-6), avg, mean
     )
     # Averaging again with another count replaces the average (same last step).
-    average_workdir(split, 1)
+    average_workdir(split, 1, window=1.0)
     again, _ = ckpt_lib.restore_params(split, a, kind="averaged")
     jax.tree.map(
         lambda m, want: np.testing.assert_allclose(np.asarray(m), np.asarray(want), rtol=1e-6),

@@ -79,23 +79,24 @@ def score(seeds: list[int]) -> None:
     from flaxformer_lite.inference.translate import Translator
 
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    for seed in seeds:
-        run = Run.open(workdir(seed))
-        pairs = None
-        for budget in BUDGETS:
+    runs = {seed: Run.open(workdir(seed)) for seed in seeds}
+    d = runs[seeds[0]].config.data
+    pairs = load_texts(d.dataset, "test", (d.source_lang, d.target_lang), d.data_dir)
+    # The comparison (600 and 1,560 steps) for every seed first, then the curve's points.
+    for budget in sorted(BUDGETS, key=lambda b: b not in (600, 1560)):
+        for seed, run in runs.items():
             for name, steps in variants(run.steps("last"), budget).items():
                 key = f"seed{seed}/{budget}/{name}"
                 if key in results:
                     continue
                 if steps == "best":
                     params, step = run.params("best")
+                    if step == budget:  # the last checkpoint, scored already
+                        results[key] = {**results[f"seed{seed}/{budget}/last"], "steps": [step]}
+                        continue
                     steps = [step]
                 else:
                     params = average_params(run, steps)
-                if pairs is None:
-                    d = run.config.data
-                    features = (d.source_lang, d.target_lang)
-                    pairs = load_texts(d.dataset, "test", features, d.data_dir)
                 model = run.model()  # as `evaluate` decodes: the run's decode section
                 translator = Translator(model, params, run.tokenizer, decode=run.config.decode)
                 hyps = translator.translate([p[0] for p in pairs], **DECODE)
@@ -103,7 +104,7 @@ def score(seeds: list[int]) -> None:
                 results[key] = {"steps": steps, "bleu": s.bleu, "chrf": s.chrf}
                 print(key, results[key], flush=True)
                 RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    print("signature:", s.bleu_signature)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def report() -> None:

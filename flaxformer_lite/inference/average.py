@@ -62,7 +62,7 @@ def choose_steps(kept: list[int], num: int, window: float) -> tuple[list[int], l
     if early:
         notes.append(
             f"left out steps {_steps(early)}: before {share}, too far from the end of "
-            f"training to average with it (--window={_wider(kept[-1], early[-1])} takes them in)"
+            f"training to average with it (--window={_wider(kept[-1], early[0])} takes them in)"
         )
     return chosen, notes
 

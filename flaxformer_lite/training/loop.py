@@ -94,12 +94,6 @@ class Clock:
     def timed(self) -> bool:
         return math.isfinite(self.deadline)
 
-    def progress(self, step: int) -> float:
-        """The share of the run's budget spent at ``step``: of ``num_steps``, or of
-        ``max_minutes`` where that is nearer its end (this process's clock)."""
-        done = step / self.num_steps
-        return max(done, self.minutes() / self.max_minutes) if self.timed else done
-
     def projected_steps(self, step: int, seconds_per_step: float) -> int:
         """The step the run will stop at if the steps to come take ``seconds_per_step``."""
         if not self.timed or not seconds_per_step > 0:
@@ -131,11 +125,14 @@ def read_curve(curve: tuple[tuple[int, float], ...], steps: int) -> tuple[float,
 
 class FinalCheckpoints:
     """When a run writes its final checkpoints (``train.final_checkpoints``), so that
-    ``average`` finds late ones on any machine: at fixed shares of the budget, the
-    minutes where the run has a wall-clock budget (the steps it reaches are not known
-    in advance), else the steps. A step budget whose ``checkpoint_every`` already puts
-    ``count`` checkpoints in the window gets none (the cadence is enough). The end of
-    the run is saved anyway (the loop's ``last``); :meth:`due` answers for the rest."""
+    ``average`` finds late ones on any machine: at fixed shares of the steps the run
+    will end at. A step budget ends at ``num_steps``; one whose ``checkpoint_every``
+    already puts ``count`` checkpoints in the window gets none (the cadence is enough).
+    A wall-clock budget ends where the pace of the command's steps (evaluations and
+    saves included) projects: shares of its minutes would fall early by the minutes
+    spent before the first step (data, tokenizer, embeddings, compilation), which a
+    slow machine's short run can ill afford. The end is saved anyway (the loop's
+    ``last``); :meth:`due` answers for the rest."""
 
     def __init__(self, clock: Clock, *, count: int, window: float, every: int, start_step: int):
         self.clock = clock
@@ -144,26 +141,31 @@ class FinalCheckpoints:
             n = clock.num_steps
             cadence = {s for s in range(every, n + 1, every) if s >= (1 - window) * n}
             marks = [] if len(cadence | {n}) >= count else marks
-        # A resumed run skips the marks its earlier commands passed.
-        start = clock.progress(start_step) if start_step else 0.0
-        self.marks = [m for m in marks if m > start]
+            # A resumed run skips the marks its earlier commands passed (with a wall-clock
+            # budget, the first paced step drops them).
+            marks = [m for m in marks if m > start_step / n]
+        self.marks = marks
 
     def steps(self) -> list[int]:
         """A step budget's final checkpoint steps (its marks as steps; the end apart)."""
         return sorted({max(1, math.ceil(m * self.clock.num_steps)) for m in self.marks})
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` crosses the next mark (the chief's clock decides, read by
-        every process at the agreement steps)."""
+    def due(self, step: int, seconds_per_step: float | None = None) -> bool:
+        """Whether ``step`` crosses the next mark; ``seconds_per_step``: the pace so far
+        (None before a step was timed). With a wall-clock budget the chief's pace
+        decides, read by every process at the agreement steps."""
         if not self.marks:
             return False
-        progress = self.clock.progress(step)
         if self.clock.timed:
+            end = self.clock.projected_steps(step, seconds_per_step) if seconds_per_step else 0
+            progress = step / end if end else 0.0
             if not self.clock.agreed(progress >= self.marks[0], step):
                 return False
             progress = distributed.chief_value(progress)
-        elif progress < self.marks[0]:
-            return False
+        else:
+            progress = step / self.clock.num_steps
+            if progress < self.marks[0]:
+                return False
         self.marks = [m for m in self.marks if m > progress]
         return True
 

@@ -211,7 +211,7 @@ class Trainer:
                 out_of_time = self.clock.out_of_time(step)
                 preempted = self.clock.agreed(stop.requested is not None, step)
                 last = step == t.num_steps or out_of_time or preempted
-                final_due = self.finals.due(step)  # every step, on every process
+                final_due = self.finals.due(step, self._pace(step))  # every step, everywhere
                 acted = False
                 if step % t.log_every == 0 or last:
                     self.log(step, metrics)
@@ -262,19 +262,24 @@ class Trainer:
                 f"step {step}; optimizer.spike_factor={self.config.optimizer.spike_factor:g})"
             )
 
-    def _projected_steps(self, step: int) -> int | None:
-        """Where the run will stop, from the pace of the steps since the first compiled
-        one (evaluations and saves included); None before a step has been timed."""
+    def _pace(self, step: int) -> float | None:
+        """Seconds a step since the first compiled one (evaluations and saves included);
+        None before a step has been timed."""
         if self.pace is None or step <= self.pace[0]:
             return None
-        pace_step, since = self.pace
-        return self.clock.projected_steps(step, (time.perf_counter() - since) / (step - pace_step))
+        return (time.perf_counter() - self.pace[1]) / (step - self.pace[0])
+
+    def _projected_steps(self, step: int) -> int | None:
+        """The step the run will stop at, from the pace so far (None before a step has
+        been timed)."""
+        pace = self._pace(step)
+        return None if pace is None else self.clock.projected_steps(step, pace)
 
     def _outlook(self, step: int, projected: int) -> str:
         """What this machine's budget will reach, and what the recipe's record gives
         there (``train.expected_bleu``): said once, after the first logged window."""
         t = self.config.train
-        seconds = (time.perf_counter() - self.pace[1]) / (step - self.pace[0])
+        seconds = self._pace(step)
         text = (
             f"outlook: {seconds:.2f} s a step here, so train.max_minutes={t.max_minutes:g} "
             f"ends near step {projected:,} of {t.num_steps:,}"
