@@ -68,6 +68,12 @@ _WINDOW = flags.DEFINE_float(
     "average: the late share of the run's steps to take checkpoints from "
     "(default: the run's train.final_window, 0.25; 1 = any kept checkpoint).",
 )
+_VALIDATE = flags.DEFINE_bool(
+    "validate",
+    True,
+    "average: keep the mean only if its validation loss is no worse than "
+    "the newest checkpoint's alone (else keep that checkpoint).",
+)
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "train on several processes: process 0's host:port."
 )
@@ -177,7 +183,7 @@ def _train(texts: list[str]) -> None:
 def _average(texts: list[str]) -> None:
     from flaxformer_lite.inference.average import average_workdir
 
-    average_workdir(_WORKDIR.value, _NUM.value, _WINDOW.value)
+    average_workdir(_WORKDIR.value, _NUM.value, _WINDOW.value, _VALIDATE.value)
 
 
 def _translate(texts: list[str]) -> None:
@@ -252,7 +258,7 @@ def _decode_options() -> dict:
 
 COMMANDS = {
     "train": Command(_train, ("config", *PROCESSES)),
-    "average": Command(_average, ("num", "window")),
+    "average": Command(_average, ("num", "window", "validate")),
     "translate": Command(_translate, ("input", "ensemble", *DECODE), texts=True),
     "evaluate": Command(_evaluate, ("split", "limit", "ensemble", *DECODE)),
     "generate": Command(_generate, ("input", "ensemble", *SAMPLING), texts=True),

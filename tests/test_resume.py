@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.config import experiment
-from flaxformer_lite.inference.average import average_workdir
+from flaxformer_lite.inference.average import average_params, average_workdir, validation_nll
+from flaxformer_lite.inference.run import Run
 from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import schedules
@@ -50,10 +51,21 @@ def test_resume_is_exact(fixture_data, tmp_path, capsys):
     said = capsys.readouterr().out
     assert "6 steps; this recipe's record gives test BLEU ~2.0 at 6 steps and 3.0 at 8" in said
     # `average` takes the late window only (from step 5), and says what it left out.
-    assert average_workdir(straight, 4) == (6, [5, 6])
+    assert average_workdir(straight, 4, validate=False) == (6, [5, 6])
     said = capsys.readouterr().out
     assert "--num=4: the last 25% of the run's 6 steps (from step 5) holds 2" in said
     assert "left out steps 3: before the last 25%" in said
+    # With validation (the default) it keeps the mean or step 6 alone, whichever has the
+    # lower validation nll; step 6's is the one the run logged at its end (the same
+    # float32 forward, summed in another order: 1e-5 is ~100x that rounding).
+    run = Run.open(straight)
+    mean_nll, last_nll = validation_nll(
+        run, [average_params(run, [5, 6]), average_params(run, [6])]
+    )  # fmt: skip
+    logged = [r for r in map(json.loads, open(straight / "metrics.jsonl")) if "nll" in r]
+    assert last_nll == pytest.approx(logged[-1]["nll"], rel=1e-5)
+    assert average_workdir(straight, 4)[1] == ([6] if last_nll < mean_nll else [5, 6])
+    assert f"validation nll {mean_nll:.4f} for the mean of steps 5, 6" in capsys.readouterr().out
     split = tmp_path / "split"
     train_and_evaluate(debug_config(data_dir, num_steps=3, **kw), split)
     metrics = train_and_evaluate(debug_config(data_dir, num_steps=6, **kw), split)
@@ -64,7 +76,7 @@ def test_resume_is_exact(fixture_data, tmp_path, capsys):
     jax.tree.map(np.testing.assert_array_equal, a, b)
     # Averaging the last two checkpoints (3 and 6: --window=1 reaches back to any), of
     # the moving average the run evaluated with (the default config keeps one).
-    average_workdir(split, 2, window=1.0)
+    average_workdir(split, 2, window=1.0, validate=False)
     avg, _ = ckpt_lib.restore_params(split, a, kind="averaged")
     target = abstract_train_state(debug_config(data_dir))
     state3, _ = ckpt_lib.Checkpoints(split).restore(target, 3)

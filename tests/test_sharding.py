@@ -238,7 +238,7 @@ from flaxformer_lite.inference.average import average_workdir
 from flaxformer_lite.inference.evaluation import evaluate_workdir
 from flaxformer_lite.inference.translate import Translator
 workdir = sys.argv[1]
-step, steps = average_workdir(workdir, 2, window=1.0)
+step, steps = average_workdir(workdir, 2, window=1.0, validate=False)
 averaged = Translator.from_workdir(workdir, kind="averaged")
 scores = evaluate_workdir(workdir, "test", limit=4, beam_size=1)
 print(json.dumps({

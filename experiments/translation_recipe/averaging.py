@@ -71,6 +71,29 @@ def variants(kept: list[int], budget: int) -> dict[str, list[int] | str]:
     return out
 
 
+def validation_nll(run, model, params) -> float:
+    """The validation nll of ``params``, as the training loop's evaluation computes it."""
+    import jax
+
+    from flaxformer_lite.data import pipeline
+    from flaxformer_lite.data.sources import load_texts
+    from flaxformer_lite.training import losses
+    from flaxformer_lite.training.steps import eval_step
+
+    d, t = run.config.data, run.config.train
+    pairs = load_texts(d.dataset, d.eval_split, d.features, d.data_dir)
+    examples, _ = pipeline.tokenize_pairs(pairs, run.tokenizer, d.max_length, "truncate")
+    batches = pipeline.eval_batches(examples, batch_size=t.batch_size, max_length=d.max_length)
+    step = jax.jit(
+        lambda p, b: eval_step(p, b, model=model, label_smoothing=t.label_smoothing)
+    )  # fmt: skip
+    total = None
+    for batch in batches:
+        sums = step(params, batch)
+        total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
+    return float(losses.summarize(jax.device_get(total))["nll"])
+
+
 def score(seeds: list[int]) -> None:
     from flaxformer_lite.data.sources import load_texts
     from flaxformer_lite.inference.average import average_params
@@ -85,9 +108,11 @@ def score(seeds: list[int]) -> None:
     # The comparison (600 and 1,560 steps) for every seed first, then the curve's points.
     for budget in sorted(BUDGETS, key=lambda b: b not in (600, 1560)):
         for seed, run in runs.items():
+            if budget not in run.steps("last"):
+                continue  # not trained that far yet
             for name, steps in variants(run.steps("last"), budget).items():
                 key = f"seed{seed}/{budget}/{name}"
-                if key in results:
+                if "val_nll" in results.get(key, {}):
                     continue
                 if steps == "best":
                     params, step = run.params("best")
@@ -98,10 +123,14 @@ def score(seeds: list[int]) -> None:
                 else:
                     params = average_params(run, steps)
                 model = run.model()  # as `evaluate` decodes: the run's decode section
-                translator = Translator(model, params, run.tokenizer, decode=run.config.decode)
-                hyps = translator.translate([p[0] for p in pairs], **DECODE)
-                s = corpus_scores(hyps, [p[1] for p in pairs])
-                results[key] = {"steps": steps, "bleu": s.bleu, "chrf": s.chrf}
+                if key not in results:  # (scored before the nll was recorded: the nll only)
+                    translator = Translator(
+                        model, params, run.tokenizer, decode=run.config.decode
+                    )  # fmt: skip
+                    hyps = translator.translate([p[0] for p in pairs], **DECODE)
+                    s = corpus_scores(hyps, [p[1] for p in pairs])
+                    results[key] = {"steps": steps, "bleu": s.bleu, "chrf": s.chrf}
+                results[key]["val_nll"] = validation_nll(run, model, params)
                 print(key, results[key], flush=True)
                 RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")

@@ -219,8 +219,8 @@ class TrainConfig(Section):
     # these, `average --num=4` reached back two thirds of a 600-step run and lost a
     # BLEU point (experiments/translation_recipe, "Averaging the end of a run").
     final_checkpoints: int = option(
-        4, "> 0: this many checkpoints evenly over the last final_window of the run "
-        "(of max_minutes where set, else of num_steps; a step budget only where "
+        4, "> 0: this many checkpoints evenly over the last final_window of the steps the "
+        "run reaches (max_minutes' end projected from the pace; a step budget only where "
         "checkpoint_every leaves fewer there), the last at its end (0 = off)",
         rule=NON_NEGATIVE,
     )  # fmt: skip

@@ -97,14 +97,11 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
     train_texts: list | None = [] if d.subword_alpha and not d.stream else None
     if d.stream:  # one running text per split (in corpus order), cut into full rows
         train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
-        validation, eval_stats = pipeline.stream_rows(eval_pairs, tokenizer, d.max_length)
     else:
         train, train_stats = pipeline.tokenize_pairs(
             train_pairs, tokenizer, d.max_length, d.too_long, kept_texts=train_texts
         )
-        validation, eval_stats = pipeline.tokenize_pairs(
-            eval_pairs, tokenizer, d.max_length, "truncate"
-        )
+    validation, eval_stats = validation_examples(config, tokenizer, eval_pairs)
     pools = []
     for pairs, count in [(p, n) for fwd, bwd, n in pool_pairs for p in (fwd, bwd) if p]:
         pool, stats = pipeline.tokenize_pairs(pairs, tokenizer, d.max_length, d.too_long)
@@ -159,6 +156,20 @@ def check_generated(config: ExperimentConfig) -> synthetic.Spec:
             f"({spec.length} tokens); set data.max_length={spec.length}"
         )
     return spec
+
+
+def validation_examples(
+    config: ExperimentConfig, tokenizer: Tokenizer, pairs: list[tuple[str, ...]] | None = None
+) -> tuple[list[dict[str, np.ndarray]], pipeline.PipelineStats]:
+    """The validation examples the training loop evaluates (``data.eval_split``'s
+    ``pairs``, read if not given): truncated to ``data.max_length``, or with
+    ``data.stream`` one running text cut into rows; and their counts."""
+    d = config.data
+    if pairs is None:
+        pairs = sources.load_texts(d.dataset, d.eval_split, d.features, d.data_dir)
+    if d.stream:
+        return pipeline.stream_rows(pairs, tokenizer, d.max_length)
+    return pipeline.tokenize_pairs(pairs, tokenizer, d.max_length, "truncate")
 
 
 def generated_data(config: ExperimentConfig) -> TrainingData:

@@ -13,6 +13,12 @@ run are far behind its end, and taking them in cost a 600-step run a BLEU point
 (experiments/translation_recipe). A run writes ``train.final_checkpoints`` into that
 window whatever its machine's speed; ``--num`` beyond what the window holds averages
 what it holds and says so, and names the older checkpoints it left out.
+
+A run still learning fast is ahead at its last step of any mean that reaches back, so
+the mean is kept only where its validation loss (nll on ``data.eval_split``, as
+training evaluates) is no worse than the newest checkpoint's alone; otherwise that
+checkpoint is kept, and the command says which and why (``--novalidate``: the mean
+regardless).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from flaxformer_lite.data import assembly, pipeline
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 
@@ -36,6 +44,46 @@ def average_params(run: Run, steps: list[int]):
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         total = params if total is None else jax.tree.map(jnp.add, total, params)
     return jax.tree.map(lambda x: x / len(steps), total)
+
+
+def validation_nll(run: Run, trees: list) -> list[float]:
+    """The validation nll (nats per target token) of each parameter tree: the batches
+    of ``data.eval_split`` the training loop evaluates (``train.eval_batches``)."""
+    config, model = run.config, run.model()
+    d, t = config.data, config.train
+    examples, _ = assembly.validation_examples(config, run.tokenizer)
+    batches = pipeline.eval_batches(examples, batch_size=t.batch_size, max_length=d.max_length)
+    batches = batches[: t.eval_batches] if t.eval_batches else batches
+    pad, lm = config.model.pad_id, run.is_lm
+
+    @jax.jit
+    def sums(params, batch):
+        targets = batch["targets"]
+        if lm:
+            logits = model.apply(
+                {"params": params}, targets, positions=batch.get("targets_positions"),
+                segmentation=batch.get("targets_segment_ids"), deterministic=True,
+            )  # fmt: skip
+        else:
+            logits = model.apply(
+                {"params": params}, batch["inputs"], targets,
+                inputs_positions=batch.get("inputs_positions"),
+                targets_positions=batch.get("targets_positions"),
+                inputs_segmentation=batch.get("inputs_segment_ids"),
+                targets_segmentation=batch.get("targets_segment_ids"), deterministic=True,
+            )  # fmt: skip
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        weights = (targets != pad).astype(jnp.float32)
+        return jnp.stack([jnp.sum(nll * weights), jnp.sum(weights)])
+
+    out = []
+    for params in trees:
+        total = np.zeros(2, np.float64)
+        for batch in batches:
+            total += np.asarray(jax.device_get(sums(params, batch)), np.float64)
+        out.append(float(total[0] / max(total[1], 1.0)))
+    return out
 
 
 def window_start(newest: int, window: float) -> int:
@@ -77,11 +125,12 @@ def _wider(newest: int, step: int) -> str:
 
 
 def average_workdir(
-    workdir: str | Path, num: int, window: float | None = None
+    workdir: str | Path, num: int, window: float | None = None, validate: bool = True
 ) -> tuple[int, list[int]]:
     """Average the last ``num`` checkpoints of the late ``window`` of ``workdir``'s run
-    (default: its ``train.final_window``) into ``checkpoints_averaged``; returns (the
-    newest averaged step, the steps averaged)."""
+    (default: its ``train.final_window``) into ``checkpoints_averaged`` (with
+    ``validate``: the newest alone where its validation nll is lower than the mean's);
+    returns (the newest averaged step, the steps averaged)."""
     if num < 1:
         raise ckpt_lib.CheckpointError(f"--num={num}: average at least one checkpoint")
     run = Run.open(workdir)
@@ -97,7 +146,29 @@ def average_workdir(
     steps, notes = choose_steps(kept, num, window)
     for note in notes:
         print(note)
-    where = ckpt_lib.save_params(workdir, steps[-1], average_params(run, steps))
+    params = average_params(run, steps)
+    if validate and len(steps) > 1 and run.task in ("translation", "lm"):
+        steps, params = _better_of(run, steps, params)
+    where = ckpt_lib.save_params(workdir, steps[-1], params)
     what = "moving averages" if run.has_ema else "parameters"
     print(f"averaged the {what} of steps {_steps(steps)} into {where}")
     return steps[-1], steps
+
+
+def _better_of(run: Run, steps: list[int], mean) -> tuple[list[int], object]:
+    """(steps, parameters) of the mean of ``steps`` or of the newest alone, whichever
+    has the lower validation nll (the mean on a tie)."""
+    newest = average_params(run, steps[-1:])
+    mean_nll, newest_nll = validation_nll(run, [mean, newest])
+    versus = (
+        f"validation nll {mean_nll:.4f} for the mean of steps {_steps(steps)}, "
+        f"{newest_nll:.4f} for step {steps[-1]:,} alone"
+    )
+    if newest_nll < mean_nll:
+        print(
+            f"{versus}: keeping step {steps[-1]:,} alone (the run was still improving "
+            "faster than averaging helps; --novalidate keeps the mean)"
+        )
+        return steps[-1:], newest
+    print(f"{versus}: keeping the mean")
+    return steps, mean
