@@ -9,7 +9,13 @@ from flaxformer_lite.config import ConfigError
 from flaxformer_lite.config.experiment import TrainConfig, format_curve, parse_curve
 from flaxformer_lite.inference.average import choose_steps, window_start
 from flaxformer_lite.training import loop
-from flaxformer_lite.training.loop import Clock, FinalCheckpoints, final_fractions, read_curve
+from flaxformer_lite.training.loop import (
+    Clock,
+    FinalCheckpoints,
+    expectation,
+    final_fractions,
+    read_curve,
+)
 
 
 def _clock(num_steps: int, max_minutes: float = 0.0, spent_before: float = 0.0) -> Clock:
@@ -94,10 +100,15 @@ def test_average_names_the_late_checkpoints_it_did_not_need_and_window_one_is_an
 
 def test_read_curve_interpolates_and_says_when_it_reads_beyond_its_ends():
     curve = ((300, 3.0), (600, 5.0), (1560, 8.0))
-    assert read_curve(curve, 450) == (4.0, "")
-    assert read_curve(curve, 600) == (5.0, "")
-    assert read_curve(curve, 100) == (3.0, "its first point, 300 steps")
-    assert read_curve(curve, 2000) == (8.0, "its last point, 1,560 steps")
+    assert read_curve(curve, 450) == (4.0, 0)
+    assert read_curve(curve, 600) == (5.0, 0)
+    assert read_curve(curve, 100) == (3.0, -1)
+    assert read_curve(curve, 2000) == (8.0, 1)
+    assert read_curve(((600, 5.0),), 600) == (5.0, 0)
+    assert expectation(curve, 450) == "~4.0 at 450 steps (8.0 at 1,560)"
+    assert expectation(curve, 1560) == "~8.0 at 1,560 steps"
+    assert expectation(curve, 44) == "below 3.0 at 44 steps (3.0 at 300, its first point)"
+    assert expectation(curve, 2000) == "~8.0 at 2,000 steps (measured to 1,560)"
 
 
 def test_expected_bleu_parses_checks_and_round_trips():

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RESULTS = HERE / "averaging.json"
 BUDGETS = (300, 600, 1000, 1560)
+COMPARED = (600, 1560)  # the budgets where every variant is scored
 OLD_EVERY, NUM = 200, 4
 DECODE = {"beam_size": 4, "alpha": 1.0, "no_repeat_ngram": 3}
 
@@ -64,39 +65,16 @@ def variants(kept: list[int], budget: int) -> dict[str, list[int] | str]:
     upto = [s for s in kept if s <= budget]
     out: dict[str, list[int] | str] = {"window": choose_steps(upto, NUM, 0.25)[0]}
     out["last"] = [budget]
-    if budget in (600, 1560):
+    if budget in COMPARED:
         out["old"] = [s for s in upto if s % OLD_EVERY == 0 or s == budget][-NUM:]
     if budget == BUDGETS[-1]:
         out["best"] = "best"
     return out
 
 
-def validation_nll(run, model, params) -> float:
-    """The validation nll of ``params``, as the training loop's evaluation computes it."""
-    import jax
-
-    from flaxformer_lite.data import pipeline
-    from flaxformer_lite.data.sources import load_texts
-    from flaxformer_lite.training import losses
-    from flaxformer_lite.training.steps import eval_step
-
-    d, t = run.config.data, run.config.train
-    pairs = load_texts(d.dataset, d.eval_split, d.features, d.data_dir)
-    examples, _ = pipeline.tokenize_pairs(pairs, run.tokenizer, d.max_length, "truncate")
-    batches = pipeline.eval_batches(examples, batch_size=t.batch_size, max_length=d.max_length)
-    step = jax.jit(
-        lambda p, b: eval_step(p, b, model=model, label_smoothing=t.label_smoothing)
-    )  # fmt: skip
-    total = None
-    for batch in batches:
-        sums = step(params, batch)
-        total = sums if total is None else jax.tree.map(lambda a, b: a + b, total, sums)
-    return float(losses.summarize(jax.device_get(total))["nll"])
-
-
 def score(seeds: list[int]) -> None:
     from flaxformer_lite.data.sources import load_texts
-    from flaxformer_lite.inference.average import average_params
+    from flaxformer_lite.inference.average import average_params, validation_nll
     from flaxformer_lite.inference.evaluation import corpus_scores
     from flaxformer_lite.inference.run import Run
     from flaxformer_lite.inference.translate import Translator
@@ -105,52 +83,80 @@ def score(seeds: list[int]) -> None:
     runs = {seed: Run.open(workdir(seed)) for seed in seeds}
     d = runs[seeds[0]].config.data
     pairs = load_texts(d.dataset, "test", (d.source_lang, d.target_lang), d.data_dir)
+
+    def save() -> None:
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+    def params_of(run, steps):
+        if steps == "best":
+            params, step = run.params("best")
+            return params, [step]
+        return average_params(run, steps), steps
+
     # The comparison (600 and 1,560 steps) for every seed first, then the curve's points.
-    for budget in sorted(BUDGETS, key=lambda b: b not in (600, 1560)):
+    for budget in sorted(BUDGETS, key=lambda b: b not in COMPARED):
         for seed, run in runs.items():
             if budget not in run.steps("last"):
                 continue  # not trained that far yet
-            for name, steps in variants(run.steps("last"), budget).items():
-                key = f"seed{seed}/{budget}/{name}"
-                if "val_nll" in results.get(key, {}):
+            # The validation nll of each variant (seconds), as `average` measures it ...
+            named = variants(run.steps("last"), budget)
+            for name, steps in named.items():
+                entry = results.setdefault(f"seed{seed}/{budget}/{name}", {})
+                if "val_nll" not in entry:
+                    params, steps = params_of(run, steps)
+                    entry.update(steps=steps, val_nll=validation_nll(run, [params])[0])
+                    save()
+            # ... which picks what `average` keeps: the window's mean, or the last alone.
+            window, last = (results[f"seed{seed}/{budget}/{n}"] for n in ("window", "last"))
+            kept = "last" if last["val_nll"] < window["val_nll"] else "window"
+            results[f"seed{seed}/{budget}/average"] = {"of": kept}
+            # Test BLEU: of every variant where the rule is compared, else of the kept one.
+            for name in named if budget in COMPARED else [kept]:
+                entry = results[f"seed{seed}/{budget}/{name}"]
+                if name == "best" and entry["steps"] == [budget]:  # the last: scored above
+                    entry.update({k: last[k] for k in ("bleu", "chrf")})
+                if "bleu" in entry:
                     continue
-                if steps == "best":
-                    params, step = run.params("best")
-                    if step == budget:  # the last checkpoint, scored already
-                        results[key] = {**results[f"seed{seed}/{budget}/last"], "steps": [step]}
-                        continue
-                    steps = [step]
-                else:
-                    params = average_params(run, steps)
-                model = run.model()  # as `evaluate` decodes: the run's decode section
-                if key not in results:  # (scored before the nll was recorded: the nll only)
-                    translator = Translator(
-                        model, params, run.tokenizer, decode=run.config.decode
-                    )  # fmt: skip
-                    hyps = translator.translate([p[0] for p in pairs], **DECODE)
-                    s = corpus_scores(hyps, [p[1] for p in pairs])
-                    results[key] = {"steps": steps, "bleu": s.bleu, "chrf": s.chrf}
-                results[key]["val_nll"] = validation_nll(run, model, params)
-                print(key, results[key], flush=True)
-                RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+                params, _ = params_of(run, named[name])
+                translator = Translator(
+                    run.model(), params, run.tokenizer, decode=run.config.decode
+                )  # as `evaluate` decodes: the run's decode section, then DECODE
+                hyps = translator.translate([p[0] for p in pairs], **DECODE)
+                scores = corpus_scores(hyps, [p[1] for p in pairs])
+                entry.update(bleu=scores.bleu, chrf=scores.chrf)
+                print(f"seed{seed}/{budget}/{name}", entry, flush=True)
+                save()
+    save()
 
 
 def report() -> None:
+    """The record's tables: test BLEU and validation nll per seed, mean ± std."""
     results = json.loads(RESULTS.read_text())
     seeds = sorted({k.split("/")[0] for k in results})
-    print(f"| steps | variant | {' | '.join(seeds)} | mean ± std |")
-    print("|---|---|" + "---:|" * (len(seeds) + 1))
-    for budget in BUDGETS:
-        for name in ("old", "window", "last", "best"):
-            row = [results.get(f"{s}/{budget}/{name}") for s in seeds]
-            if not any(row):
-                continue
-            got = [r["bleu"] for r in row if r]
-            cells = [f"{r['bleu']:.2f} ({_span(r['steps'])})" if r else "—" for r in row]
-            sd = statistics.stdev(got) if len(got) > 1 else float("nan")
-            spread = f"{statistics.fmean(got):.2f} ± {sd:.2f}"
-            print(f"| {budget:,} | {name} | {' | '.join(cells)} | {spread} |")
+    for metric, digits in (("bleu", 2), ("val_nll", 3)):
+        print(f"\n| steps | checkpoints | {' | '.join(seeds)} | mean ± std |")
+        print("|---|---|" + "---:|" * (len(seeds) + 1))
+        for budget in BUDGETS:
+            for name in ("old", "window", "last", "best", "average"):
+                row = [_entry(results, s, budget, name) for s in seeds]
+                got = [r[metric] for r in row if r and metric in r]
+                if not got:
+                    continue
+                cells = [
+                    f"{r[metric]:.{digits}f} ({_span(r['steps'])})" if r and metric in r else "—"
+                    for r in row
+                ]
+                sd = statistics.stdev(got) if len(got) > 1 else float("nan")
+                mean = f"{statistics.fmean(got):.{digits}f} ± {sd:.{digits}f}"
+                print(f"| {budget:,} | {name} | {' | '.join(cells)} | {mean} |")
+
+
+def _entry(results: dict, seed: str, budget: int, name: str) -> dict | None:
+    """A variant's entry; for 'average', the one `average` kept."""
+    entry = results.get(f"{seed}/{budget}/{name}")
+    if name == "average" and entry:
+        entry = results.get(f"{seed}/{budget}/{entry['of']}")
+    return entry
 
 
 def _span(steps: list[int]) -> str:

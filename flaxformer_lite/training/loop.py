@@ -108,19 +108,32 @@ def final_fractions(count: int, window: float) -> list[float]:
     return [1 - window + window * i / count for i in range(1, count + 1)]
 
 
-def read_curve(curve: tuple[tuple[int, float], ...], steps: int) -> tuple[float, str]:
+def read_curve(curve: tuple[tuple[int, float], ...], steps: int) -> tuple[float, int]:
     """The value of a measured ``curve`` ((steps, value), ...) at ``steps``: linear
-    between its points, its end value beyond them; and how it was read ('' inside the
-    curve, else 'at most' / 'at least' with the end's steps)."""
+    between its points, its end value beyond them; and where ``steps`` lies: -1 before
+    the first point, 1 after the last, 0 inside."""
     (first_step, first_value), (last_step, last_value) = curve[0], curve[-1]
-    if steps <= first_step:
-        return first_value, "" if steps == first_step else f"its first point, {first_step:,} steps"
-    if steps >= last_step:
-        return last_value, "" if steps == last_step else f"its last point, {last_step:,} steps"
+    if steps < first_step:
+        return first_value, -1
+    if steps > last_step:
+        return last_value, 1
     for (s0, v0), (s1, v1) in zip(curve, curve[1:], strict=False):
         if s0 <= steps <= s1:
-            return v0 + (v1 - v0) * (steps - s0) / (s1 - s0), ""
-    raise AssertionError("unreachable: the curve's steps increase")
+            return v0 + (v1 - v0) * (steps - s0) / (s1 - s0), 0
+    return first_value, 0  # a curve of one point, at ``steps``
+
+
+def expectation(curve: tuple[tuple[int, float], ...], steps: int) -> str:
+    """What a measured BLEU ``curve`` says of a run that stops at ``steps``, in words."""
+    value, where = read_curve(curve, steps)
+    (first, _), (end, end_value) = curve[0], curve[-1]
+    if where < 0:
+        return f"below {value:.1f} at {steps:,} steps ({value:.1f} at {first:,}, its first point)"
+    if where > 0:
+        return f"~{value:.1f} at {steps:,} steps (measured to {end:,})"
+    return f"~{value:.1f} at {steps:,} steps" + (
+        f" ({end_value:.1f} at {end:,})" if end > steps else ""
+    )
 
 
 class FinalCheckpoints:

@@ -23,7 +23,7 @@ from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, startup
 from flaxformer_lite.training.logging import MetricsLogger
-from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Throughput, read_curve
+from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Throughput, expectation
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.startup import TrainingError
 from flaxformer_lite.training.state import (
@@ -287,13 +287,9 @@ class Trainer:
             else f"outlook: {seconds:.2f} s a step here, {projected:,} steps"
         )
         if t.expected_bleu:
-            value, beyond = read_curve(t.expected_bleu, projected)
-            end_step, end_value = t.expected_bleu[-1]
             text += (
-                f"; this recipe's record gives test BLEU ~{value:.1f} at {projected:,} steps"
-                + (f" ({beyond})" if beyond else "")
-                + (f" and {end_value:.1f} at {end_step:,}" if end_step > projected else "")
-                + " (train.expected_bleu)"
+                f"; this recipe's record gives test BLEU "
+                f"{expectation(t.expected_bleu, projected)} (train.expected_bleu)"
             )
         return text
 
