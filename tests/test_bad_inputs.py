@@ -94,6 +94,12 @@ CASES = [
     ("mesh of missing devices", ["--config.train.mesh=data:3"], ["data:3"]),
     ("mesh syntax", ["--config.train.mesh=data=2"], ["data=2"]),
     ("unknown dataset", ["--config.data.dataset=wmt99"], ["wmt99"]),
+    (
+        "missing tokenizer file",
+        ["--config.data.tokenizer=nope.model"],
+        ["data.tokenizer=nope.model", "no such file"],
+    ),
+    ("averaging window of 0", ["average", "--workdir={run}", "--window=0"], ["--window=0"]),
     ("unknown language", ["--config.data.source_lang=fr"], ["'fr'", "source_lang"]),
     ("validation every 0 steps", ["--config.train.eval_every=0"], ["eval_every=0"]),
     ("unknown best metric", ["--config.train.best_metric=speed"], ["best_metric", "speed"]),

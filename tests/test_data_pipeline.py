@@ -13,7 +13,7 @@ import tensorflow_datasets as tfds
 from flaxformer_lite import Transformer
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data import builders, packing, pipeline, prepare, sources
-from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer
+from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer, load_or_train, train_tokenizer
 from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.steps import eval_step
@@ -102,6 +102,40 @@ def test_tokenizer_ids_and_round_trip(tokenizer, tmp_path):
         Tokenizer.load(bad)
     with pytest.raises(ValueError, match="lower model.vocab_size"):
         train_tokenizer(iter(["a b c"] * 10), tmp_path / "t.model", vocab_size=5000)
+
+
+def test_a_given_tokenizer_is_checked_and_copied_into_the_run(tokenizer, tmp_path):
+    import sentencepiece as spm
+
+    def never():
+        raise AssertionError("a given tokenizer is not trained again")
+
+    run = tmp_path / "run"
+    got = load_or_train(run, never, 128, given=tokenizer.path)  # 100 pieces fit in 128
+    assert (run / "tokenizer.model").read_bytes() == tokenizer.path.read_bytes()
+    assert got.encode("sentence 7").tolist() == tokenizer.encode("sentence 7").tolist()
+    assert load_or_train(run, never, 128, given=tokenizer.path).vocab_size == 100  # a resume
+    with pytest.raises(ValueError, match="has 100 pieces but model.vocab_size=64; set "):
+        load_or_train(tmp_path / "small", never, 64, given=tokenizer.path)
+    with pytest.raises(ValueError, match="no such file"):
+        load_or_train(tmp_path / "x", never, 128, given=tmp_path / "nope.model")
+    with pytest.raises(ValueError, match="no piece for the tag '<dict>'"):
+        load_or_train(tmp_path / "x", never, 128, ("<dict>",), given=tokenizer.path)
+    # A model with sentencepiece's default ids (unk 0, bos 1, eos 2, no pad).
+    foreign = tmp_path / "foreign.model"
+    with open(foreign, "wb") as f:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(["a b c d e f g h"] * 50), model_writer=f, vocab_size=12,
+            minloglevel=2,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="--pad_id=0 --eos_id=1 --bos_id=2 --unk_id=3"):
+        load_or_train(tmp_path / "x", never, 128, given=foreign)
+    # A run that trained its own tokenizer refuses another one.
+    own = tmp_path / "own"
+    load_or_train(own, lambda: iter(["a b c d e f g h i j"] * 50), 16)
+    with pytest.raises(ValueError, match="is not the tokenizer the run in"):
+        load_or_train(own, never, 128, given=tokenizer.path)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "small").exists()
 
 
 def test_tokenize_drop_truncate_and_empty(tokenizer):

@@ -156,6 +156,11 @@ class DataConfig(Section):
         rule=NON_NEGATIVE,
     )  # fmt: skip
     stream: bool = option(False, "lm only: read the split as one running text cut into rows")
+    tokenizer: str = option(
+        "", "path of an existing sentencepiece model to use instead of training one (a "
+        "vocabulary shared across runs; pad/eos/bos/unk ids 0/1/2/3, at most "
+        "model.vocab_size pieces); copied into the run folder ('' = train one)",
+    )  # fmt: skip
     tokenizer_max_sentences: int = option(
         1_000_000, "sentences the sentencepiece model learns from", rule=POSITIVE
     )

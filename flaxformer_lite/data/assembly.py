@@ -92,7 +92,7 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
             yield from tokenizer_pairs[i]
 
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
-    tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags)
+    tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags, d.tokenizer)
     train_pairs += reversed_pairs  # after the tokenizer, which learns from one direction
     train_texts: list | None = [] if d.subword_alpha and not d.stream else None
     if d.stream:  # one running text per split (in corpus order), cut into full rows

@@ -118,17 +118,64 @@ def train_tokenizer(
 
 
 def load_or_train(
-    workdir: str | Path, sentences_fn, vocab_size: int, user_symbols: tuple[str, ...] = ()
+    workdir: str | Path,
+    sentences_fn,
+    vocab_size: int,
+    user_symbols: tuple[str, ...] = (),
+    given: str | Path = "",
 ) -> Tokenizer:
-    """The workdir's tokenizer, trained from ``sentences_fn()`` the first time."""
+    """The workdir's tokenizer: trained from ``sentences_fn()`` the first time, or copied
+    from ``given`` (``data.tokenizer``, an existing model) after checking that it fits
+    (ids, ``vocab_size``, the tags). A workdir that holds another tokenizer than
+    ``given`` is refused: its run learned that vocabulary."""
     path = Path(workdir) / MODEL_NAME
+    if given:
+        return _adopt(Path(given), path, vocab_size, user_symbols)
     if path.exists():
         tokenizer = Tokenizer.load(path)
-        for symbol in user_symbols:
-            if tokenizer.sp.piece_to_id(symbol) == UNK_ID:
-                raise ValueError(
-                    f"{path} has no piece for the tag {symbol!r}; it was trained without it. "
-                    "Use a new workdir (or delete the tokenizer to retrain it)"
-                )
+        _check_symbols(
+            tokenizer, user_symbols, "Use a new workdir (or delete the tokenizer to retrain it)"
+        )
         return tokenizer
     return train_tokenizer(sentences_fn(), path, vocab_size, user_symbols=tuple(user_symbols))
+
+
+def _check_symbols(tokenizer: Tokenizer, symbols: tuple[str, ...], fix: str) -> None:
+    for symbol in symbols:
+        if tokenizer.sp.piece_to_id(symbol) == UNK_ID:
+            raise ValueError(
+                f"{tokenizer.path} has no piece for the tag {symbol!r}; it was trained "
+                f"without it. {fix}"
+            )
+
+
+def _adopt(given: Path, path: Path, vocab_size: int, symbols: tuple[str, ...]) -> Tokenizer:
+    """``given`` checked and copied to ``path`` (atomically), or ``path`` if it is the same."""
+    what = f"data.tokenizer={given}"
+    if not given.is_file():
+        raise ValueError(f"{what}: no such file; pass the path of a sentencepiece .model file")
+    try:
+        tokenizer = Tokenizer.load(given)
+    except ValueError as e:
+        raise ValueError(
+            f"{what}: {e}. A model from spm_train needs --pad_id=0 --eos_id=1 --bos_id=2 --unk_id=3"
+        ) from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"{what} has {tokenizer.vocab_size:,} pieces but model.vocab_size={vocab_size:,}; "
+            f"set --config.model.vocab_size={tokenizer.vocab_size}"
+        )
+    _check_symbols(tokenizer, symbols, "Train it with that user-defined symbol, or drop the tag")
+    data = given.read_bytes()
+    if path.exists():
+        if path.read_bytes() != data:
+            raise ValueError(
+                f"{what} is not the tokenizer the run in {path.parent} trained with "
+                f"({path}); use a new --workdir, or leave data.tokenizer as the run had it"
+            )
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # never a half-written model
+    return Tokenizer.load(path)
