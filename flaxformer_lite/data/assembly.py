@@ -10,13 +10,15 @@ reloads the workdir's tokenizer, and tokenizes everything once; the pipeline
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from flaxformer_lite.config.experiment import TEXT_TASKS, ExperimentConfig
-from flaxformer_lite.data import cooccurrence, pipeline, sources, synthetic
+from flaxformer_lite.data import cooccurrence, files, pipeline, sources, synthetic
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 
 
@@ -50,6 +52,8 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
         return generated_data(config)
     d = config.data
     columns = d.features
+    if files.is_files(d.dataset):
+        check_corpus(workdir, d.dataset, files.corpus_fingerprint(d.dataset, columns))
     train_pairs: list[tuple[str, ...]] = []
     reversed_pairs: list[tuple[str, str]] = []  # data.reverse_tag: target -> source, tagged
     pool_pairs: list[tuple[list, list, int]] = []  # resample_subsets: (fwd, rev, per epoch)
@@ -156,6 +160,29 @@ def check_generated(config: ExperimentConfig) -> synthetic.Spec:
             f"({spec.length} tokens); set data.max_length={spec.length}"
         )
     return spec
+
+
+CORPUS_FILE = "corpus.json"
+
+
+def check_corpus(workdir: Path, dataset: str, fingerprint: str) -> None:
+    """Record which files a run trains on (``corpus.json``); a resume that finds other
+    content there is refused, since the run's tokenizer and data order came from it."""
+    path = Path(workdir) / CORPUS_FILE
+    if path.exists():
+        before = json.loads(path.read_text())
+        if before.get("fingerprint") != fingerprint:
+            raise files.CorpusError(
+                f"--workdir={workdir} trained on {before.get('dataset')} with content "
+                f"{before.get('fingerprint', '?')[:16]}; {dataset} now reads as "
+                f"{fingerprint[:16]} (its files changed). Use a new --workdir, or the files "
+                "the run had"
+            )
+        return
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"dataset": dataset, "fingerprint": fingerprint}, indent=2))
+    os.replace(tmp, path)
 
 
 def validation_examples(

@@ -1,7 +1,8 @@
 """Text of a dataset's splits: read with ``tfds.data_source`` (array_record, no TensorFlow).
 
 The local corpora (``ding_de_en``, ``bible_en_es``) are built on first use from
-their Debian packages (:mod:`~flaxformer_lite.data.builders`); any other name is a
+their Debian packages (:mod:`~flaxformer_lite.data.builders`), ``files:PATH`` from a
+user's own text files (:mod:`~flaxformer_lite.data.files`); any other name is a
 TFDS dataset (e.g. ``wmt14_translate/de-en``), downloaded by TFDS on first use.
 Also the selections made on texts before tokenization: fixed subsets
 (``split:N``) and the known-word filter of auxiliary splits.
@@ -17,14 +18,16 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import builders
+from flaxformer_lite.data import builders, files
 
 
 def load_texts(
     dataset: str, split: str, features: Sequence[str], data_dir: str | Path
 ) -> list[tuple[str, ...]]:
     """Tuples of the given text features of one split, read with ``tfds.data_source``."""
-    if dataset in builders.LOCAL_BUILDERS:
+    if files.is_files(dataset):  # a user's own text files
+        source = files.data_source(dataset, split, features, data_dir)
+    elif dataset in builders.LOCAL_BUILDERS:
         builders.build_local_dataset(dataset, data_dir)
         source = tfds.data_source(dataset, split=split, data_dir=str(data_dir))
     else:  # any TFDS name, e.g. wmt14_translate/de-en (downloads on first use)

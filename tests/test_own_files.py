@@ -1,0 +1,166 @@
+"""A researcher's own corpus (``data.dataset=files:PATH``): the layouts it reads, the
+splits it carves, the build it reuses, the run folder's record of it, and one clear
+error for each way a corpus can be wrong."""
+
+import gzip
+import random
+
+import pytest
+
+from flaxformer_lite.data import assembly, files, sources
+
+WORDS = {"house": "Haus", "tree": "Baum", "water": "Wasser", "dog": "Hund", "cat": "Katze"}
+
+
+def _pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        words = [rng.choice(list(WORDS)) for _ in range(rng.randint(1, 5))]
+        out.append((f"{i} the " + " ".join(words), f"{i} die " + " ".join(WORDS[w] for w in words)))
+    return out
+
+
+def _write(path, lines, gz: bool = False) -> None:
+    text = "".join(line + "\n" for line in lines).encode()
+    path.write_bytes(gzip.compress(text) if gz else text)
+
+
+def _parallel(folder, split: str, pairs, gz: bool = False) -> None:
+    folder.mkdir(exist_ok=True)
+    suffix = ".gz" if gz else ""
+    _write(folder / f"{split}.en{suffix}", [en for en, _ in pairs], gz)
+    _write(folder / f"{split}.de{suffix}", [de for _, de in pairs], gz)
+
+
+def _load(dataset, split, data_dir, features=("en", "de")):
+    return sources.load_texts(dataset, split, features, data_dir)
+
+
+def test_line_aligned_files_build_once_carve_what_is_missing_and_rebuild_on_change(
+    tmp_path, capsys
+):
+    corpus, data_dir = tmp_path / "corpus", tmp_path / "tfds"
+    train, valid = _pairs(500), _pairs(20, seed=1)
+    _parallel(corpus, "train", train, gz=True)
+    _parallel(corpus, "valid", valid)  # 'valid' is the validation split
+    dataset = f"files:{corpus}"
+    assert _load(dataset, "validation", data_dir) == valid
+    said = capsys.readouterr().out
+    assert "building" in said and "test is 50 pairs carved off train" in said
+    test, kept = _load(dataset, "test", data_dir), _load(dataset, "train", data_dir)
+    assert len(test) == 50 and len(kept) == 450 and not set(test) & set(kept)
+    assert sorted(test + kept) == sorted(train)
+    assert kept == [p for p in train if p not in set(test)]  # the file's order
+    assert "building" not in capsys.readouterr().out  # built once, then read
+    # The carving depends on the pairs alone: the same on any machine, any run.
+    assert files.carve(train, ["test"])[1]["test"] == test
+    # Changed content is another corpus: a new build, with the new line in it.
+    _parallel(corpus, "valid", valid[:-1] + [("a new line", "eine neue Zeile")])
+    assert _load(dataset, "validation", data_dir)[-1] == ("a new line", "eine neue Zeile")
+    assert "building" in capsys.readouterr().out
+    assert len(list((data_dir / "local_files").iterdir())) == 2
+
+
+def test_tsv_columns_by_header_or_by_position_and_plain_text_for_a_language_model(tmp_path):
+    pairs = _pairs(300)
+    by_header = tmp_path / "header.tsv"
+    _write(by_header, ["id\tde\ten"] + [f"{i}\t{de}\t{en}" for i, (en, de) in enumerate(pairs)])
+    assert _load(f"files:{by_header}", "train", tmp_path / "a")[:3] == pairs[:3]
+    by_position = tmp_path / "tsv"
+    by_position.mkdir()
+    _write(by_position / "train.tsv", [f"{en}\t{de}" for en, de in pairs])
+    _write(by_position / "test.tsv", [f"{en}\t{de}" for en, de in pairs[:5]])
+    assert _load(f"files:{by_position}", "test", tmp_path / "b") == pairs[:5]
+    assert len(_load(f"files:{by_position}", "validation", tmp_path / "b")) == 30
+    text = tmp_path / "book.txt"
+    _write(text, [en for en, _ in pairs])
+    lines = _load(f"files:{text}", "train", tmp_path / "c", features=("en",))
+    assert len(lines) == 240 and lines[0] == (pairs[0][0],)
+
+
+def test_the_run_folder_records_the_corpus_and_refuses_other_files(tmp_path):
+    corpus = tmp_path / "corpus"
+    _parallel(corpus, "train", _pairs(200))
+    dataset = f"files:{corpus}"
+    fingerprint = files.corpus_fingerprint(dataset, ("en", "de"))
+    assembly.check_corpus(tmp_path / "run", dataset, fingerprint)
+    assembly.check_corpus(tmp_path / "run", dataset, fingerprint)  # a resume: the same
+    _parallel(corpus, "train", _pairs(200, seed=3))
+    other = files.corpus_fingerprint(dataset, ("en", "de"))
+    with pytest.raises(files.CorpusError, match="its files changed"):
+        assembly.check_corpus(tmp_path / "run", dataset, other)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("lengths", r"train\.en has 200, .*train\.de has 199 lines"),
+        ("empty", "empty"),
+        ("utf8", r"train\.de line 3 is not UTF-8"),
+        ("columns", r"train\.tsv line 4 has 3 tab-separated column\(s\), the first line 2"),
+        ("partner", r"train\.en has no partner .*train\.de is missing"),
+        ("no train", "no training split in"),
+        ("missing", "no such file or folder"),
+        ("one text file", "a translation corpus is a folder"),
+        ("too few to carve", "too few to carve"),
+    ],
+)
+def test_a_bad_corpus_is_one_clear_error_and_builds_nothing(tmp_path, case, message):
+    corpus, data_dir = tmp_path / "corpus", tmp_path / "tfds"
+    corpus.mkdir()
+    pairs = _pairs(200)
+    if case == "lengths":
+        _write(corpus / "train.en", [en for en, _ in pairs])
+        _write(corpus / "train.de", [de for _, de in pairs[:-1]])
+    elif case == "empty":
+        _write(corpus / "train.en", [])
+        _write(corpus / "train.de", [])
+    elif case == "utf8":
+        _parallel(corpus, "train", pairs)
+        lines = (corpus / "train.de").read_bytes().split(b"\n")
+        lines[2] = "Straße".encode("latin-1")
+        (corpus / "train.de").write_bytes(b"\n".join(lines))
+    elif case == "columns":
+        _write(corpus / "train.tsv", [f"{en}\t{de}" for en, de in pairs[:3]] + ["a\tb\tc"])
+    elif case == "partner":
+        _write(corpus / "train.en", [en for en, _ in pairs])
+    elif case == "no train":
+        _parallel(corpus, "test", pairs)
+    elif case == "missing":
+        corpus = tmp_path / "nowhere"
+    elif case == "one text file":
+        corpus = corpus / "train.txt"
+        _write(corpus, ["a line"])
+    elif case == "too few to carve":
+        _parallel(corpus, "train", pairs[:5])
+    with pytest.raises(files.CorpusError, match=message):
+        _load(f"files:{corpus}", "train", data_dir)
+    built = data_dir / "local_files"
+    assert not built.exists() or not any(p.name.startswith("fp") for p in built.rglob("*"))
+
+
+def test_a_run_trains_and_evaluates_on_a_folder_of_files(tmp_path):
+    from flaxformer_lite.config.files import load_config
+    from flaxformer_lite.inference.evaluation import evaluate_workdir
+    from flaxformer_lite.training.train import train_and_evaluate
+
+    corpus = tmp_path / "corpus"
+    _parallel(corpus, "train", _pairs(400))
+    config = load_config(
+        "configs/ding_mini.py",
+        "debug",
+        {
+            "data.dataset": f"files:{corpus}",
+            "data.data_dir": str(tmp_path / "tfds"),
+            "data.source_lang": "en",
+            "data.target_lang": "de",
+            "model.vocab_size": 40,  # what 5 words and the digits support
+            "train.num_steps": 2,
+        },
+    )
+    run = tmp_path / "run"
+    assert train_and_evaluate(config, run)["step"] == 2
+    assert (run / assembly.CORPUS_FILE).exists()
+    scores = evaluate_workdir(run, "test", beam_size=1, limit=8)
+    assert scores.num_sentences == 8
