@@ -121,6 +121,7 @@ FILE_SECONDS = {
     "test_sharding.py": 22,
     "test_steps.py": 20,
     "test_cli.py": 20,
+    "test_own_files.py": 17,
     "test_attention_maps.py": 20,
     "test_float64.py": 19,
     "test_run.py": 14,

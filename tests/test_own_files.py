@@ -3,12 +3,19 @@ splits it carves, the build it reuses, the run folder's record of it, and one cl
 error for each way a corpus can be wrong."""
 
 import gzip
+import json
+import os
 import random
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from flaxformer_lite.data import assembly, files, sources
 
+ROOT = Path(__file__).resolve().parents[1]
 WORDS = {"house": "Haus", "tree": "Baum", "water": "Wasser", "dog": "Hund", "cat": "Katze"}
 
 
@@ -140,27 +147,47 @@ def test_a_bad_corpus_is_one_clear_error_and_builds_nothing(tmp_path, case, mess
     assert not built.exists() or not any(p.name.startswith("fp") for p in built.rglob("*"))
 
 
-def test_a_run_trains_and_evaluates_on_a_folder_of_files(tmp_path):
-    from flaxformer_lite.config.files import load_config
-    from flaxformer_lite.inference.evaluation import evaluate_workdir
-    from flaxformer_lite.training.train import train_and_evaluate
+def _readme_commands() -> list[list[str]]:
+    """The commands of the README's "Your own data" block, continuation lines joined."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("### Your own data", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    joined = block.replace("\\\n", " ")
+    return [shlex.split(line) for line in joined.splitlines() if line.strip() and line[0] != "#"]
 
-    corpus = tmp_path / "corpus"
+
+def test_the_readmes_own_data_commands_run_as_written(tmp_path):
+    """The README's commands on a generated corpus, each as written but for the config's
+    `:debug` variant (seconds, not minutes), the corpus's and run's folders, and a
+    vocabulary that 5 words and the digits support."""
+    commands = _readme_commands()
+    assert [c[:3] for c in commands] == [
+        ["python", "-m", "flaxformer_lite.main"],
+        ["python", "-m", "flaxformer_lite.main"],
+    ]
+    corpus, run = tmp_path / "my_corpus", tmp_path / "mine"
     _parallel(corpus, "train", _pairs(400))
-    config = load_config(
-        "configs/ding_mini.py",
-        "debug",
-        {
-            "data.dataset": f"files:{corpus}",
-            "data.data_dir": str(tmp_path / "tfds"),
-            "data.source_lang": "en",
-            "data.target_lang": "de",
-            "model.vocab_size": 40,  # what 5 words and the digits support
-            "train.num_steps": 2,
-        },
-    )
-    run = tmp_path / "run"
-    assert train_and_evaluate(config, run)["step"] == 2
+    cases = []
+    for command in commands:
+        args = [
+            a.replace("configs/ding_mini.py", "configs/ding_mini.py:debug")
+            .replace("files:my_corpus", f"files:{corpus}")
+            .replace("runs/mine", str(run))
+            for a in command[3:]
+        ]
+        if any(a.startswith("--config=") for a in args):
+            args += ["--config.model.vocab_size=40", f"--config.data.data_dir={tmp_path / 'tfds'}"]
+        cases.append({"args": args, "cwd": str(ROOT)})
+    spec, results = tmp_path / "cases.json", tmp_path / "results.json"
+    spec.write_text(json.dumps(cases))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.cli_cases", str(spec), str(results)],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    train, evaluate = json.loads(results.read_text())
+    assert train["code"] == 0, train["stderr"][-3000:]
+    assert "test is 40 pairs carved off train" in train["stdout"]
     assert (run / assembly.CORPUS_FILE).exists()
-    scores = evaluate_workdir(run, "test", beam_size=1, limit=8)
-    assert scores.num_sentences == 8
+    assert evaluate["code"] == 0, evaluate["stderr"][-3000:]
+    assert "test (en->de, beam 4" in evaluate["stdout"] and "40 sentences" in evaluate["stdout"]
