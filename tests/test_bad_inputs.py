@@ -94,6 +94,17 @@ CASES = [
     ("mesh of missing devices", ["--config.train.mesh=data:3"], ["data:3"]),
     ("mesh syntax", ["--config.train.mesh=data=2"], ["data=2"]),
     ("unknown dataset", ["--config.data.dataset=wmt99"], ["wmt99"]),
+    ("own corpus missing", ["--config.data.dataset=files:{tmp}/nowhere"], ["no such file"]),
+    (
+        "own corpus, data_dir under a file",
+        ["--config.data.dataset=files:{tmp}/own", "--config.data.data_dir={tmp}/a_file/tfds"],
+        ["cannot write data.data_dir=", "a_file", "writable folder"],
+    ),
+    (
+        "own corpus, files of unequal length",
+        ["--config.data.dataset=files:{tmp}/own_unequal"],
+        ["train.de has 199", "lines"],
+    ),
     (
         "missing tokenizer file",
         ["--config.data.tokenizer=nope.model"],
@@ -239,6 +250,10 @@ def table(fixture_data, trained_run, tmp_path_factory):
     run = tmp / "run"  # a copy of the session's trained run: this table checks it is unchanged
     shutil.copytree(trained_run[0], run)
     (tmp / "a_file").write_text("not a folder")
+    for name, lines in (("own", 200), ("own_unequal", 199)):  # a user's line-aligned files
+        (tmp / name).mkdir()
+        (tmp / name / "train.en").write_text("".join(f"a house {i}\n" for i in range(200)))
+        (tmp / name / "train.de").write_text("".join(f"ein Haus {i}\n" for i in range(lines)))
     (tmp / "empty_dir").mkdir()
     (tmp / "broken").mkdir()
     (tmp / "broken" / "config.json").write_text('{"model": {"d_model": ')

@@ -299,7 +299,13 @@ def build(dataset: str, features: Sequence[str], data_dir: str | Path) -> tfds.c
     )
     builder = LocalFiles(config=config, data_dir=str(data_dir), file_format="array_record")
     if not builder.is_prepared():
-        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(data_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CorpusError(
+                f"cannot write data.data_dir={data_dir} ({e.strerror}); choose a writable "
+                "folder for the built corpus"
+            ) from None
         print(f"files: building {dataset} ({', '.join(splits)}) into {builder.data_dir}")
         try:
             builder.download_and_prepare()
