@@ -288,8 +288,8 @@ class Trainer:
         )
         if t.expected_bleu:
             text += (
-                f"; this recipe's record gives test BLEU "
-                f"{expectation(t.expected_bleu, projected)} (train.expected_bleu)"
+                "; by its record (train.expected_bleu) this recipe gives test BLEU "
+                + expectation(t.expected_bleu, projected)
             )
         return text
 
