@@ -7,8 +7,10 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,37 @@ def test_the_readmes_own_data_commands_run_as_written(tmp_path):
     assert (run / assembly.CORPUS_FILE).exists()
     assert evaluate["code"] == 0, evaluate["stderr"][-3000:]
     assert "test (en->de, beam 4" in evaluate["stdout"] and "40 sentences" in evaluate["stdout"]
+
+
+BUILD = """
+import sys
+from flaxformer_lite.data import sources
+print(len(sources.load_texts(sys.argv[1], "train", ("en", "de"), sys.argv[2])), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_build_killed_midway_is_never_read_and_the_next_start_builds_it_whole(tmp_path):
+    """SIGKILL while TFDS writes the corpus (its incomplete folder exists): the next
+    start finds no prepared build, builds it again, and reads every pair."""
+    corpus, data_dir = tmp_path / "corpus", tmp_path / "tfds"
+    pairs = _pairs(200_000)
+    _parallel(corpus, "train", pairs)
+    args = [sys.executable, "-c", BUILD, f"files:{corpus}", str(data_dir)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    child = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    built = data_dir / "local_files"
+
+    def writing() -> bool:
+        return built.exists() and any("incomplete" in p.name for p in built.rglob("*"))
+
+    deadline = time.monotonic() + 120
+    while not writing():
+        assert child.poll() is None, "the build ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    carved = 2 * files.CARVED_MAX  # validation and test come off train
+    assert out.stdout.strip().splitlines()[-1] == str(len(pairs) - carved)
