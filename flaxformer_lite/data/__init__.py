@@ -1,7 +1,8 @@
 """Data: corpora, TFDS builders, the tokenizer, a run's data and the input pipeline.
 
 Debian-package corpora and their parsers (``corpora``, ``prepare``), TFDS builders
-writing array_record (``builders``) read with grain (``sources``), the joint
+writing array_record (``builders``; a user's own text files: ``files``) read with
+grain (``sources``), the joint
 sentencepiece model (``tokenizer``), a run's splits, ids and PPMI start (``assembly``,
 ``cooccurrence``) and packing into batches (``pipeline``). May import ``config/``;
 nothing here knows the model.

@@ -4,10 +4,12 @@ Layout of a workdir::
 
   config.json               the experiment config of the run (checked on resume)
   tokenizer.model           the run's sentencepiece model
+  corpus.json               which files a files:PATH run trained on (their fingerprint)
   metrics.jsonl, tensorboard/   what training measured
   checkpoints/<step>/       the last K train states + the data iterator position
   checkpoints_best/<step>/  the state with the best validation metric
-  checkpoints_averaged/<step>/  parameters averaged over the last n checkpoints
+  checkpoints_averaged/<step>/  parameters averaged over the last n checkpoints (or
+                            the newest alone, where validation preferred it)
   train.lock                the training process that holds the folder
 
 Training writes it (:mod:`~flaxformer_lite.workdir.checkpoints`,
