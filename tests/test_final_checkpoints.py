@@ -12,6 +12,7 @@ from flaxformer_lite.training import loop
 from flaxformer_lite.training.loop import (
     Clock,
     FinalCheckpoints,
+    Pace,
     expectation,
     final_fractions,
     read_curve,
@@ -121,3 +122,19 @@ def test_expected_bleu_parses_checks_and_round_trips():
             TrainConfig.from_dict({"expected_bleu": bad})
     with pytest.raises(ConfigError, match="final_window > 0"):
         TrainConfig(final_checkpoints=4, final_window=0.0)
+
+
+def test_the_outlook_says_where_the_budget_ends_and_what_the_record_gives_there(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
+    pace = Pace(_clock(2000, max_minutes=10))
+    assert pace.seconds(1) is None and pace.projected(1) is None  # nothing timed yet
+    pace.started(1)
+    now[0] += 20 * 1.5  # steps 2-21 at 1.5 s: 9.5 minutes left are 380 more steps
+    assert pace.projected(21) == 401
+    assert pace.outlook(21, ((300, 3.0), (600, 5.0), (1560, 8.0))) == (
+        "outlook: 1.50 s a step here, so train.max_minutes=10 ends near step 401 of 2,000; "
+        "by its record (train.expected_bleu) this recipe gives test BLEU ~3.7 at 401 steps "
+        "(8.0 at 1,560)"
+    )
+    assert pace.outlook(21, ()).endswith("ends near step 401 of 2,000")

@@ -136,6 +136,47 @@ def expectation(curve: tuple[tuple[int, float], ...], steps: int) -> str:
     )
 
 
+class Pace:
+    """Seconds a step since the command's first compiled step (evaluations and saves
+    included), and where the clock's budget ends at that pace: the outlook a run
+    gives after its first logged window."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.since: tuple[int, float] | None = None  # (step, time) after the first step
+
+    def started(self, step: int) -> None:
+        self.since = (step, time.perf_counter())
+
+    def seconds(self, step: int) -> float | None:
+        """The pace so far; None before a step has been timed."""
+        if self.since is None or step <= self.since[0]:
+            return None
+        return (time.perf_counter() - self.since[1]) / (step - self.since[0])
+
+    def projected(self, step: int) -> int | None:
+        """The step the run will stop at (None before a step has been timed)."""
+        seconds = self.seconds(step)
+        return None if seconds is None else self.clock.projected_steps(step, seconds)
+
+    def outlook(self, step: int, curve: tuple[tuple[int, float], ...]) -> str:
+        """The pace, the step the budget reaches and what a recorded BLEU ``curve``
+        (``train.expected_bleu``) gives there."""
+        c, seconds, projected = self.clock, self.seconds(step), self.projected(step)
+        text = f"outlook: {seconds:.2f} s a step here, " + (
+            f"so train.max_minutes={c.max_minutes:g} ends near step {projected:,} of "
+            f"{c.num_steps:,}"
+            if c.timed
+            else f"{projected:,} steps"
+        )
+        if curve:
+            text += (
+                "; by its record (train.expected_bleu) this recipe gives test BLEU "
+                + expectation(curve, projected)
+            )
+        return text
+
+
 class FinalCheckpoints:
     """When a run writes its final checkpoints (``train.final_checkpoints``), so that
     ``average`` finds late ones on any machine: at fixed shares of the steps the run

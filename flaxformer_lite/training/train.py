@@ -23,7 +23,7 @@ from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, startup
 from flaxformer_lite.training.logging import MetricsLogger
-from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Throughput, expectation
+from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Pace, Throughput
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.startup import TrainingError
 from flaxformer_lite.training.state import (
@@ -149,8 +149,7 @@ class Trainer:
             self.clock, count=t.final_checkpoints, window=t.final_window,
             every=t.checkpoint_every, start_step=self.start,
         )  # fmt: skip
-        self.pace: tuple[int, float] | None = None  # (step, time) after the first compiled step
-        self.outlook_said = False
+        self.pace, self.outlook_said = Pace(self.clock), False
         step_flops = flops.train_step_flops(c, t.batch_size, d.max_length, d.max_length, d.task)
         self.meter = Throughput(step_flops, "inputs" if d.task == "classify" else "targets")
         self.skipped = 0
@@ -205,13 +204,13 @@ class Trainer:
                 self.state, metrics = self.p_train(self.state, self.par.put_batch(batch), lr_factor)
                 if step == first:
                     distributed.WATCHDOG.start()  # several processes: stop if a peer dies
-                    self.pace = (step, time.perf_counter())  # compiled: steps time from here
+                    self.pace.started(step)  # compiled: steps are timed from here
                 if example_ids is not None:
                     self.logger.examples(step, example_ids)
                 out_of_time = self.clock.out_of_time(step)
                 preempted = self.clock.agreed(stop.requested is not None, step)
                 last = step == t.num_steps or out_of_time or preempted
-                final_due = self.finals.due(step, self._pace(step))  # every step, everywhere
+                final_due = self.finals.due(step, self.pace.seconds(step))  # every process
                 acted = False
                 if step % t.log_every == 0 or last:
                     self.log(step, metrics)
@@ -248,50 +247,18 @@ class Trainer:
         m.update(self.meter.rates())
         self.logger.write(step, m)
         if self.is_chief:
-            projected = self._projected_steps(step)
+            projected, curve = self.pace.projected(step), self.config.train.expected_bleu
             outlook = f" -> step ~{projected:,}" if self.clock.timed and projected else ""
             self.logger.progress(step, m, outlook)
-            said = self.outlook_said or not (self.clock.timed or self.config.train.expected_bleu)
-            if projected and not said:
-                self.outlook_said = True
-                self.logger.message(self._outlook(step, projected))
+            if projected and not self.outlook_said and (self.clock.timed or curve):
+                self.outlook_said = True  # once, after the first logged window
+                self.logger.message(self.pace.outlook(step, curve))
         if m.get("skipped_updates", 0) > self.skipped:
             self.skipped = int(m["skipped_updates"])
             self.logger.message(
                 f"spike guard: {self.skipped} update(s) skipped so far (the last at or before "
                 f"step {step}; optimizer.spike_factor={self.config.optimizer.spike_factor:g})"
             )
-
-    def _pace(self, step: int) -> float | None:
-        """Seconds a step since the first compiled one (evaluations and saves included);
-        None before a step has been timed."""
-        if self.pace is None or step <= self.pace[0]:
-            return None
-        return (time.perf_counter() - self.pace[1]) / (step - self.pace[0])
-
-    def _projected_steps(self, step: int) -> int | None:
-        """The step the run will stop at, from the pace so far (None before a step has
-        been timed)."""
-        pace = self._pace(step)
-        return None if pace is None else self.clock.projected_steps(step, pace)
-
-    def _outlook(self, step: int, projected: int) -> str:
-        """What this machine's budget will reach, and what the recipe's record gives
-        there (``train.expected_bleu``): said once, after the first logged window."""
-        t = self.config.train
-        seconds = self._pace(step)
-        text = (
-            f"outlook: {seconds:.2f} s a step here, so train.max_minutes={t.max_minutes:g} "
-            f"ends near step {projected:,} of {t.num_steps:,}"
-            if self.clock.timed
-            else f"outlook: {seconds:.2f} s a step here, {projected:,} steps"
-        )
-        if t.expected_bleu:
-            text += (
-                "; by its record (train.expected_bleu) this recipe gives test BLEU "
-                + expectation(t.expected_bleu, projected)
-            )
-        return text
 
     def validate(self, step: int) -> dict[str, float]:
         """Validation loss (and greedy BLEU) of the evaluated parameters; the best
