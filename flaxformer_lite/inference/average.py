@@ -150,8 +150,12 @@ def average_workdir(
     if validate and len(steps) > 1 and run.task in ("translation", "lm"):
         steps, params = _better_of(run, steps, params)
     where = ckpt_lib.save_params(workdir, steps[-1], params)
-    what = "moving averages" if run.has_ema else "parameters"
-    print(f"averaged the {what} of steps {_steps(steps)} into {where}")
+    what = "moving average" if run.has_ema else "parameters"
+    if len(steps) == 1:
+        print(f"wrote the {what} of step {steps[0]:,} to {where}")
+    else:
+        what = "moving averages" if run.has_ema else "parameters"
+        print(f"averaged the {what} of steps {_steps(steps)} into {where}")
     return steps[-1], steps
 
 
