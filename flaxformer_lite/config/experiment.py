@@ -221,8 +221,8 @@ class TrainConfig(Section):
     keep_checkpoints: int = option(5, "last checkpoints kept", rule=POSITIVE)
     # The paper averages the last 5 checkpoints of a 12-hour run, its last ~7%. A
     # wall-clock budget on a slow machine holds few checkpoint_every steps: without
-    # these, `average --num=4` reached back two thirds of a 600-step run and lost a
-    # BLEU point (experiments/translation_recipe, "Averaging the end of a run").
+    # these, `average --num=4` reached back two thirds of a 600-step run and lost 1.2
+    # BLEU (3 seeds; experiments/translation_recipe, "Averaging the end of a run").
     final_checkpoints: int = option(
         4, "> 0: this many checkpoints evenly over the last final_window of the steps the "
         "run reaches (max_minutes' end projected from the pace; a step budget only where "
