@@ -146,8 +146,11 @@ def report() -> None:
                     f"{r[metric]:.{digits}f} ({_span(r['steps'])})" if r and metric in r else "—"
                     for r in row
                 ]
-                sd = statistics.stdev(got) if len(got) > 1 else float("nan")
-                mean = f"{statistics.fmean(got):.{digits}f} ± {sd:.{digits}f}"
+                mean = (
+                    f"{statistics.fmean(got):.{digits}f} ± {statistics.stdev(got):.{digits}f}"
+                    if len(got) > 1
+                    else "(one seed)"
+                )
                 print(f"| {budget:,} | {name} | {' | '.join(cells)} | {mean} |")
 
 
