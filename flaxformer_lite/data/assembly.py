@@ -1,10 +1,16 @@
 """A run's data, assembled from its config: text splits -> tokenizer -> token ids.
 
-``prepare_data(config, workdir)`` reads the training splits (with their subsets,
-auxiliary-split filter and tags, reversed pairs and per-epoch pools), trains or
-reloads the workdir's tokenizer, and tokenizes everything once; the pipeline
-(:mod:`~flaxformer_lite.data.pipeline`) then packs and batches the ids.
-``ppmi_table`` computes the co-occurrence start of the embeddings from the same texts.
+``prepare_data(config, workdir)`` selects the training splits' records (their subsets,
+auxiliary-split filter and tags, reversed pairs and per-epoch pools) as index arrays,
+trains or reloads the workdir's tokenizer, and takes every split's token ids from the
+token cache (:mod:`~flaxformer_lite.data.token_store`: tokenized once per corpus and
+tokenizer, memory-mapped); the training examples are an
+:class:`~flaxformer_lite.data.table.ExampleTable`, arrays over those stores, which the
+pipeline (:mod:`~flaxformer_lite.data.packing`) packs and batches. Only the features
+that need the texts keep them in memory: subword sampling (``data.subword_alpha``),
+the known-word filter of auxiliary splits (``data.aux_min_count``) and the
+validation split (for BLEU). ``ppmi_table`` computes the co-occurrence start of the
+embeddings from the texts.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from flaxformer_lite.config.experiment import TEXT_TASKS, ExperimentConfig
-from flaxformer_lite.data import cooccurrence, files, pipeline, sources, synthetic
+from flaxformer_lite.data import cooccurrence, files, pipeline, sources, synthetic, token_store
+from flaxformer_lite.data.table import ExampleTable
+from flaxformer_lite.data.token_store import Store, View
 from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 
 
@@ -27,16 +35,14 @@ class TrainingData:
     """A run's training and validation examples (token ids), its tokenizer and counts."""
 
     tokenizer: Tokenizer | None  # None for a generated task (its examples are ids)
-    train: list[dict[str, np.ndarray]]
+    train: ExampleTable
     validation: list[dict[str, np.ndarray]]
     stats: dict[str, pipeline.PipelineStats]
     validation_texts: list[tuple[str, ...]]  # for BLEU during training
     train_texts: list[tuple[str, ...]] | None = None  # of ``train``; for subword sampling
     # data.resample_subsets: (pool of examples, how many of it each epoch draws); the
     # epoch's examples are ``train`` plus those draws (pipeline.SubsetSampler)
-    train_pools: list[tuple[list[dict[str, np.ndarray]], int]] = dataclasses.field(
-        default_factory=list
-    )
+    train_pools: list[tuple[ExampleTable, int]] = dataclasses.field(default_factory=list)
 
     def sampler(self, seed: int) -> pipeline.SubsetSampler | None:
         return (
@@ -44,9 +50,153 @@ class TrainingData:
         )
 
 
+@dataclasses.dataclass
+class Selection:
+    """The records of one training split a run takes (``index``), and the tag before
+    their source (``data.aux_tag`` for an auxiliary split)."""
+
+    name: str
+    source: object  # the split's tfds data source
+    index: np.ndarray
+    aux: str = ""
+    features: tuple[str, ...] = ()
+
+    def rows(self, indices) -> list[tuple[str, ...]]:
+        """The texts of the selected records at ``indices`` (positions in ``index``)."""
+        return sources.read_rows(self.source, self.index[indices], self.features, self.name)
+
+
+def select_splits(config: ExperimentConfig) -> tuple[list[Selection], list[tuple[Selection, int]]]:
+    """The fixed selections of ``data.train_splits`` and the pools drawn per epoch."""
+    d = config.data
+    fixed: list[Selection] = []
+    pools: list[tuple[Selection, int]] = []
+    counts = None  # word counts of the first split, per feature (for aux_min_count)
+    splits = d.train_splits
+    for i, (name, limit) in enumerate(splits):
+        source = sources.open_split(d.dataset, name, d.features, d.data_dir)
+        index = np.arange(len(source))
+        if i == 0 and d.aux_min_count:
+            counts = sources.word_counts(sources.read_rows(source, index, d.features, name))
+        elif i > 0 and counts is not None:
+            texts = sources.read_rows(source, index, d.features, name)
+            index = sources.known_word_indices(texts, counts, d.aux_min_count)
+            print(
+                f"{name}: kept {len(index)} of {len(texts)} pairs whose words all occur >= "
+                f"{d.aux_min_count}x in {splits[0][0]}"
+            )
+        draw = d.resample_subsets and i > 0 and limit is not None and limit < len(index)
+        if not draw:
+            index = index[sources.fixed_subset_indices(len(index), limit)]
+        # The source says where the pair comes from (aux_tag) and which way it goes.
+        aux = f"{d.aux_tag} " if i > 0 and d.aux_tag else ""
+        selection = Selection(name, source, index, aux, d.features)
+        if draw:  # all of them; each epoch draws `limit` (of each direction on its own)
+            pools.append((selection, limit))
+        else:
+            fixed.append(selection)
+    return fixed, pools
+
+
+def tokenizer_sentences(selections: list[Selection], max_sentences: int, width: int):
+    """The sentences the tokenizer learns from: up to ``max_sentences`` of the
+    selections' pairs (one direction, tagged), in a permutation seeded by 0."""
+    sizes = np.array([len(s.index) for s in selections], np.int64)
+    ends = np.cumsum(sizes)
+    order = np.random.default_rng(0).permutation(int(ends[-1]))[: max_sentences // width]
+    which = np.searchsorted(ends, order, side="right")
+    local = order - (ends - sizes)[which]
+    texts: dict[int, dict[int, tuple[str, ...]]] = {}
+    for k, selection in enumerate(selections):
+        wanted = np.unique(local[which == k])
+        view = View(prefix=selection.aux)
+        texts[k] = dict(zip(wanted.tolist(), map(view.apply, selection.rows(wanted)), strict=True))
+    for k, j in zip(which.tolist(), local.tolist(), strict=True):
+        yield from texts[k][j]
+
+
+def split_store(
+    config: ExperimentConfig, selection: Selection, view: View, tokenizer: Tokenizer
+) -> Store:
+    """Every record of ``selection``'s split seen through ``view``, as token ids: from
+    the token cache under ``data.data_dir`` (built there the first time)."""
+    d, source = config.data, selection.source
+    count = len(source)
+    where = f"the {selection.name!r} split of {d.dataset}"
+
+    rows = sources.SplitRows(source, tuple(d.features), where)
+
+    keys = KEYS[len(d.features)]
+    if tokenizer.path is None:  # an in-memory tokenizer: nothing to key a cache by
+        return token_store.tokenize_rows(map(view.apply, rows(0, count)), keys, tokenizer)
+    identity = sources.identity(source, selection.name)
+    tokenizer_sha = token_store.file_sha256(tokenizer.path)
+    key = token_store.cache_key(identity, selection.name, d.features, view, tokenizer_sha)
+    root = Path(d.data_dir) / token_store.CACHE_DIR / identity["name"].replace("/", "_")
+    return token_store.cached_store(
+        root,
+        f"{selection.name}-{key[:16]}",
+        key,
+        rows=rows,
+        count=count,
+        keys=keys,
+        view=view,
+        tokenizer=tokenizer,
+        tokenizer_sha=tokenizer_sha,
+        describe={"dataset": d.dataset, "split": selection.name, "features": list(d.features)},
+        workers=os.cpu_count() or 1,
+    )
+
+
+KEYS = {1: ("targets",), 2: ("inputs", "targets")}
+
+
+def examples_of(
+    store: Store, rows: np.ndarray, max_length: int, too_long: str
+) -> tuple[ExampleTable, pipeline.PipelineStats]:
+    """``rows`` of ``store`` as training examples: empty texts (no piece before EOS)
+    skipped, those over ``max_length`` dropped or cut (``too_long``)."""
+    raw = store.lengths()[rows]
+    empty = (raw <= 1).any(axis=1)
+    long = ~empty & (raw > max_length).any(axis=1)
+    keep = ~empty & ~long if too_long == "drop" else ~empty
+    table = ExampleTable.of_store(store, rows[keep], max_length)
+    dropped = int(long.sum()) if too_long == "drop" else 0
+    cut = 0 if too_long == "drop" else int(long.sum())
+    return table, pipeline.PipelineStats(len(table), dropped, cut, int(empty.sum()))
+
+
+def _add(a: pipeline.PipelineStats, b: pipeline.PipelineStats) -> pipeline.PipelineStats:
+    return pipeline.PipelineStats(
+        *(x + y for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True))
+    )
+
+
+def stream_table(tables: list[ExampleTable], max_length: int) -> ExampleTable:
+    """A language model's running text: the examples in order (each ending in EOS),
+    back to back and cut into rows of ``max_length`` tokens (the last may be shorter)."""
+    key = tables[0].keys[0]
+    (only,) = tables if len(tables) == 1 else (None,)
+    whole = (
+        only is not None
+        and len(only.stores) == 1
+        and len(only) == len(only.stores[0])
+        and np.array_equal(only.row, np.arange(len(only)))
+    )
+    if whole:  # the store's own ids are the stream: no copy
+        ids = only.stores[0].ids[key]
+    else:
+        parts = [t.gather(key, np.arange(len(t))) for t in tables if len(t)]
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    total = len(ids)
+    starts = np.append(np.arange(0, total, max_length), total) if total else np.zeros(1, np.int64)
+    return ExampleTable.of_store(Store((key,), {key: ids}, {key: starts.astype(np.int64)}))
+
+
 def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
-    """Text splits -> the workdir's tokenizer (trained on train splits once) -> token ids;
-    for a generated task (``recall``, ``classify``) its examples, which are ids already."""
+    """Text splits -> the workdir's tokenizer (trained on train splits once) -> token
+    ids (the token cache); for a generated task (``recall``, ``classify``) its
+    examples, which are ids already."""
     config = ExperimentConfig.from_config(config)
     if config.data.task not in TEXT_TASKS:
         return generated_data(config)
@@ -54,73 +204,59 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
     columns = d.features
     if files.is_files(d.dataset):
         check_corpus(workdir, d.dataset, files.corpus_fingerprint(d.dataset, columns))
-    train_pairs: list[tuple[str, ...]] = []
-    reversed_pairs: list[tuple[str, str]] = []  # data.reverse_tag: target -> source, tagged
-    pool_pairs: list[tuple[list, list, int]] = []  # resample_subsets: (fwd, rev, per epoch)
-    counts = None  # word counts of the first split, per feature (for aux_min_count)
-    splits = d.train_splits
-    for i, (name, limit) in enumerate(splits):
-        texts = sources.load_texts(d.dataset, name, columns, d.data_dir)
-        if i == 0:
-            counts = sources.word_counts(texts) if d.aux_min_count else None
-        elif counts is not None:
-            before = len(texts)
-            texts = sources.known_word_pairs(texts, counts, d.aux_min_count)
-            print(
-                f"{name}: kept {len(texts)} of {before} pairs whose words all occur >= "
-                f"{d.aux_min_count}x in {splits[0][0]}"
-            )
-        draw = d.resample_subsets and i > 0 and limit is not None and limit < len(texts)
-        if not draw:
-            texts = sources.fixed_subset(texts, limit)
-        # The source says where the pair comes from (aux_tag) and which way it goes.
-        aux = f"{d.aux_tag} " if i > 0 and d.aux_tag else ""
-        forward = [(aux + t[0], *t[1:]) for t in texts]
-        backward = (
-            [(f"{d.reverse_tag} {aux}{tgt}", src) for src, tgt in texts] if d.reverse_tag else []
-        )
-        if draw:  # all of them; each epoch draws `limit` (of each direction on its own)
-            pool_pairs.append((forward, backward, limit))
-        else:
-            train_pairs += forward
-            reversed_pairs += backward
+    fixed, pools = select_splits(config)
     eval_pairs = sources.load_texts(d.dataset, d.eval_split, columns, d.data_dir)
 
     # The tokenizer learns from one direction: the fixed pairs and every pool pair.
-    tokenizer_pairs = train_pairs + [pair for forward, _, _ in pool_pairs for pair in forward]
-
-    def sentences():
-        rng = np.random.default_rng(0)
-        order = rng.permutation(len(tokenizer_pairs))[: d.tokenizer_max_sentences // len(columns)]
-        for i in order:
-            yield from tokenizer_pairs[i]
-
+    learn = fixed + [selection for selection, _ in pools]
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
-    tokenizer = load_or_train(workdir, sentences, config.model.vocab_size, tags, d.tokenizer)
-    train_pairs += reversed_pairs  # after the tokenizer, which learns from one direction
-    train_texts: list | None = [] if d.subword_alpha and not d.stream else None
-    if d.stream:  # one running text per split (in corpus order), cut into full rows
-        train, train_stats = pipeline.stream_rows(train_pairs, tokenizer, d.max_length)
+    tokenizer = load_or_train(
+        workdir,
+        lambda: tokenizer_sentences(learn, d.tokenizer_max_sentences, len(columns)),
+        config.model.vocab_size,
+        tags,
+        d.tokenizer,
+    )
+
+    def views(selection: Selection) -> list[View]:
+        forward = View(prefix=selection.aux)
+        if not d.reverse_tag:
+            return [forward]
+        return [forward, View(swap=True, prefix=f"{d.reverse_tag} {selection.aux}")]
+
+    # Fixed examples: every split forward, then (data.reverse_tag) every split reversed.
+    tables, train_stats, train_texts = [], pipeline.PipelineStats(0, 0, 0, 0), None
+    keep_texts = d.subword_alpha and not d.stream
+    if keep_texts:
+        train_texts = []
+    for direction in range(len(views(fixed[0])) if fixed else 1):
+        for selection in fixed:
+            view = views(selection)[direction]
+            store = split_store(config, selection, view, tokenizer)
+            too_long = "drop" if d.stream else d.too_long  # a stream is cut, never dropped
+            limit = np.iinfo(np.int32).max if d.stream else d.max_length
+            table, stats = examples_of(store, selection.index, limit, too_long)
+            tables.append(table)
+            train_stats = _add(train_stats, stats)
+            if keep_texts:
+                rows = sources.read_rows(selection.source, table.row, columns, selection.name)
+                train_texts += [view.apply(r) for r in rows]
+    if d.stream:
+        train = stream_table(tables, d.max_length)
+        train_stats = pipeline.PipelineStats(len(train), 0, 0, train_stats.dropped_empty)
     else:
-        train, train_stats = pipeline.tokenize_pairs(
-            train_pairs, tokenizer, d.max_length, d.too_long, kept_texts=train_texts
-        )
+        train = ExampleTable.concat(tables) if tables else None
+    kept_pools = []
+    for selection, count in pools:
+        for view in views(selection):
+            store = split_store(config, selection, view, tokenizer)
+            pool, stats = examples_of(store, selection.index, d.max_length, d.too_long)
+            train_stats = _add(train_stats, stats)
+            if len(pool) > count:
+                kept_pools.append((pool, count))
+            else:  # fewer left than drawn (too-long pairs dropped): all of them, every epoch
+                train = ExampleTable.concat([train, pool]) if train is not None else pool
     validation, eval_stats = validation_examples(config, tokenizer, eval_pairs)
-    pools = []
-    for pairs, count in [(p, n) for fwd, bwd, n in pool_pairs for p in (fwd, bwd) if p]:
-        pool, stats = pipeline.tokenize_pairs(pairs, tokenizer, d.max_length, d.too_long)
-        train_stats = pipeline.PipelineStats(
-            *(
-                a + b
-                for a, b in zip(
-                    dataclasses.astuple(train_stats), dataclasses.astuple(stats), strict=True
-                )
-            )
-        )
-        if len(pool) > count:
-            pools.append((pool, count))
-        else:  # fewer left than drawn (too-long pairs dropped): all of them, every epoch
-            train += pool
     return TrainingData(
         tokenizer,
         train,
@@ -128,7 +264,7 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
         {"train": train_stats, "validation": eval_stats},
         eval_pairs,
         train_texts,
-        pools,
+        kept_pools,
     )
 
 

@@ -149,12 +149,23 @@ def _lines(path: str) -> Iterator[str]:
                 ) from None
 
 
-def read_source(source: Source) -> list[tuple[str, ...]]:
-    """The rows (a text per feature) of one split's files, checked."""
+def _count_lines(path: str) -> int:
+    """Lines in a file (a last line without a newline counts), read in blocks."""
+    count, last = 0, b"\n"
+    with _open(Path(path)) as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
+def iter_source(source: Source) -> Iterator[tuple[str, ...]]:
+    """The rows (a text per feature) of one split's files, checked as they are read:
+    a file at a time, never the whole corpus in memory."""
     if source.kind == "tsv":
         (path,) = source.paths
-        rows = []
         width = None
+        rows = 0
         for number, line in enumerate(_lines(path), 1):
             cells = line.split("\t")
             width = width or len(cells)
@@ -165,20 +176,25 @@ def read_source(source: Source) -> list[tuple[str, ...]]:
                     f"{path} line {number} has {len(cells)} tab-separated column(s), the "
                     f"first line {width}; every line needs the same columns"
                 )
-            rows.append(tuple(cells[c] for c in source.columns))
+            rows += 1
+            yield tuple(cells[c] for c in source.columns)
     else:
-        columns = [list(_lines(p)) for p in source.paths]
-        counts = [len(c) for c in columns]
-        rows = list(zip(*columns, strict=False))
+        counts = [_count_lines(p) for p in source.paths]
         if len(set(counts)) > 1:
             sizes = ", ".join(f"{p} has {n:,}" for p, n in zip(source.paths, counts, strict=True))
             raise CorpusError(
                 f"line-aligned files differ in length: {sizes} lines; they need one line "
                 "per pair, in the same order"
             )
+        rows = counts[0]
+        yield from zip(*(_lines(p) for p in source.paths), strict=True)
     if not rows:
         raise CorpusError(f"{', '.join(source.paths)}: empty; give it a line per example")
-    return rows
+
+
+def read_source(source: Source) -> list[tuple[str, ...]]:
+    """The rows of one split's files, checked (:func:`iter_source`), as a list."""
+    return list(iter_source(source))
 
 
 def fingerprint(splits: dict[str, Source]) -> str:
@@ -208,31 +224,39 @@ def _content_fingerprint(splits: dict[str, Source]) -> str:
     return digest.hexdigest()
 
 
-def _pair_hashes(rows: Sequence[tuple[str, ...]]) -> np.ndarray:
+def _pair_hashes(rows) -> np.ndarray:
+    """A 64-bit BLAKE2b hash of each row (its texts joined by a tab)."""
     return np.fromiter(
         (
             int.from_bytes(hashlib.blake2b("\t".join(r).encode(), digest_size=8).digest(), "big")
             for r in rows
         ),
         dtype=np.uint64,
-        count=len(rows),
     )
 
 
-def carve(train: list, missing: Sequence[str]) -> tuple[list, dict[str, list]]:
-    """``missing`` splits (in order) off ``train`` by the pairs' hashes: the smallest
-    hashes first, ``CARVED_SHARE`` of train each (bounded); the rest stays in order."""
+def carve_indices(hashes: np.ndarray, missing: Sequence[str]) -> dict[str, np.ndarray]:
+    """For each ``missing`` split (in order), the sorted indices of the train rows it
+    takes: the smallest ``hashes`` first, ``CARVED_SHARE`` of train each (bounded)."""
     if not missing:
-        return train, {}
-    n = len(train)
+        return {}
+    n = len(hashes)
     size = int(min(max(CARVED_MIN, n * CARVED_SHARE), CARVED_MAX, n // 10))
     if size < 1:
         raise CorpusError(
             f"{n} training pairs are too few to carve {' and '.join(missing)} off "
             "(at least 10 are needed); give those splits as files"
         )
-    order = np.argsort(_pair_hashes(train), kind="stable")
-    taken = {name: sorted(order[i * size : (i + 1) * size]) for i, name in enumerate(missing)}
+    order = np.argsort(hashes, kind="stable")
+    return {name: np.sort(order[i * size : (i + 1) * size]) for i, name in enumerate(missing)}
+
+
+def carve(train: list, missing: Sequence[str]) -> tuple[list, dict[str, list]]:
+    """``missing`` splits (in order) off ``train`` by the pairs' hashes
+    (:func:`carve_indices`); the rest stays in order."""
+    taken = carve_indices(_pair_hashes(train), missing)
+    if not taken:
+        return train, {}
     out = set(int(i) for chunk in taken.values() for i in chunk)
     rest = [row for i, row in enumerate(train) if i not in out]
     return rest, {name: [train[i] for i in chunk] for name, chunk in taken.items()}
@@ -263,23 +287,34 @@ class LocalFiles(tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager):
         splits = {k: Source(**v) for k, v in json.loads(self.builder_config.splits_json).items()}
-        rows = {name: read_source(source) for name, source in splits.items()}
-        missing = [name for name in ("validation", "test") if name not in rows]
-        rows["train"], carved = carve(rows["train"], missing)
-        rows.update(carved)
+        missing = [name for name in ("validation", "test") if name not in splits]
+        train = splits["train"]
+        hashes = _pair_hashes(iter_source(train)) if missing else np.zeros(0, np.uint64)
+        carved = carve_indices(hashes, missing)  # a first pass over train, if any is missing
+        out = {name: self._generate_examples(source) for name, source in splits.items()}
         if carved:
+            taken = np.sort(np.concatenate(list(carved.values())))
+            kept = len(hashes) - len(taken)
             print(
                 "files: "
                 + ", ".join(
-                    f"{name} is {len(r):,} pairs carved off train" for name, r in carved.items()
+                    f"{name} is {len(i):,} pairs carved off train" for name, i in carved.items()
                 )
-                + f" by a hash of each pair ({len(rows['train']):,} left for training)"
+                + f" by a hash of each pair ({kept:,} left for training)"
             )
-        return {name: self._generate_examples(r) for name, r in rows.items()}
+            out["train"] = self._generate_examples(train, skip=taken)
+            for name, indices in carved.items():
+                out[name] = self._generate_examples(train, only=indices)
+        return out
 
-    def _generate_examples(self, rows):
+    def _generate_examples(self, source: Source, skip=None, only=None):
+        """The rows of ``source`` in file order; ``skip`` or ``only`` (sorted indices)."""
         features = self.builder_config.features
-        for i, row in enumerate(rows):
+        wanted = None if only is None else set(only.tolist())
+        dropped = set() if skip is None else set(skip.tolist())
+        for i, row in enumerate(iter_source(source)):
+            if i in dropped or (wanted is not None and i not in wanted):
+                continue
             yield i, dict(zip(features, row, strict=True))
 
 

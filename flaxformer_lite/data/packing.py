@@ -14,9 +14,16 @@ A batch is a dict of int32 numpy arrays ``[batch, max_length]``: ``inputs``,
 and first-fit packing in a prefetch thread, so the training step never waits on data
 (benchmarks/train_step.py prints the real/synthetic step-time ratio).
 
+The examples are an :class:`~flaxformer_lite.data.table.ExampleTable` (lengths and
+store rows as arrays; the ids memory-mapped), so an epoch of millions of pairs costs
+arrays, not Python objects. An epoch is planned in chunks of ``CHUNK`` examples of its
+shuffled order, each packed on its own: a restart plans one chunk (a second or so),
+not the epoch, and loses at most a part-filled batch per chunk. A batch is filled with
+numpy gathers from the stores.
+
 Resuming: the training iterator's position is a small JSON state
-(``iterator.get_state()``) stored with each checkpoint; restoring it replays the same
-data order.
+(``iterator.get_state()``: epoch, chunk, batch in the chunk) stored with each
+checkpoint; restoring it replays the same data order.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
+from flaxformer_lite.data.table import ExampleTable
 from flaxformer_lite.data.tokenizer import PAD_ID
+
+CHUNK = 1 << 18  # examples of an epoch's order packed together
 
 
 def pad_batch(examples: Sequence[dict[str, np.ndarray]], length: int) -> dict[str, np.ndarray]:
@@ -40,63 +50,100 @@ def pad_batch(examples: Sequence[dict[str, np.ndarray]], length: int) -> dict[st
     return batch
 
 
+def plan_rows(
+    lengths: np.ndarray, batch_size: int, max_length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """First-fit packing of examples arriving in order (``lengths``: ``[n, features]``
+    token counts): ``(rows, bounds)``, the row of its batch each example goes to, and
+    the batches as ranges of arrivals (batch ``b`` is arrivals ``bounds[b]:bounds[b+1]``).
+
+    Each example goes into the first of ``batch_size`` open rows where all its features
+    (source and target) still fit; when none has room, the open rows are emitted as a
+    batch and a new batch starts with it. Plain Python on lists: ~1 us an example,
+    3x faster than a numpy call per example.
+    """
+    n, features = lengths.shape
+    if n == 0:
+        return np.zeros(0, np.int32), np.zeros(1, np.int64)
+    cols = [lengths[:, f].tolist() for f in range(min(features, 2))]
+    least = [int(x) for x in lengths.min(axis=0)[:2]]  # rows with less room take nothing
+    if features == 1:
+        cols.append([0] * n)
+        least.append(0)
+    elif features > 2:
+        raise ValueError(f"packing takes one or two features, not {features}")
+    a_len, b_len = cols
+    a_min, b_min = least
+    room_a, room_b = [max_length] * batch_size, [max_length] * batch_size
+    out, bounds = [0] * n, [0]
+    first = 0  # the rows before it have room for no example
+    for j in range(n):
+        a, b = a_len[j], b_len[j]
+        r = first
+        while r < batch_size and (room_a[r] < a or room_b[r] < b):
+            r += 1
+        if r == batch_size:
+            bounds.append(j)
+            room_a, room_b = [max_length] * batch_size, [max_length] * batch_size
+            r = first = 0
+        room_a[r] -= a
+        room_b[r] -= b
+        out[j] = r
+        while first < batch_size and (room_a[first] < a_min or room_b[first] < b_min):
+            first += 1
+    bounds.append(n)
+    return np.asarray(out, np.int32), np.asarray(bounds, np.int64)
+
+
 def plan_epoch(
     lengths: np.ndarray, order: np.ndarray, batch_size: int, max_length: int
 ) -> list[list[list[int]]]:
-    """First-fit packing plan of one epoch: batches -> rows -> example indices.
-
-    Examples arrive in ``order``; each goes into the first of ``batch_size``
-    open rows where all its features (source and target) still fit; when none
-    has room, the open rows are emitted as a batch and a new batch starts with
-    it. ``lengths`` is ``[n, features]`` token counts.
-    """
-    batches: list[list[list[int]]] = []
-    rows: list[list[int]] = [[] for _ in range(batch_size)]
-    room = np.full((batch_size, lengths.shape[1]), max_length, np.int64)
-    for idx in order:
-        need = lengths[idx]
-        fits = np.flatnonzero((room >= need).all(axis=1))
-        if fits.size == 0:
-            batches.append(rows)
-            rows = [[] for _ in range(batch_size)]
-            room[:] = max_length
-            fits = np.zeros(1, np.int64)
-        r = int(fits[0])
-        rows[r].append(int(idx))
-        room[r] -= need
-    if any(rows):
-        batches.append(rows)
+    """:func:`plan_rows` of ``order`` as nested lists: batches -> rows -> example indices."""
+    rows, bounds = plan_rows(lengths[order], batch_size, max_length)
+    batches = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        batch: list[list[int]] = [[] for _ in range(batch_size)]
+        for idx, r in zip(order[lo:hi], rows[lo:hi], strict=True):
+            batch[r].append(int(idx))
+        batches.append(batch)
     return batches
 
 
 class PackedBatchIterator(grain.DatasetIterator):
-    """Endless packed batches; state = (epoch, batch in epoch), so resume is exact."""
+    """Endless packed batches; state = (epoch, chunk, batch in chunk): resume is exact."""
 
     def __init__(self, ds: PackedTrainDataset):
         super().__init__()
         self._ds = ds
-        self._epoch, self._batch = 0, 0
-        self._plan: list | None = None
+        self._epoch, self._chunk, self._batch = 0, 0, 0
+        self._plan: tuple | None = None
 
-    def _current_plan(self) -> list:
-        if self._plan is None:
-            self._plan = self._ds.plan(self._epoch)
-        return self._plan
+    def _current_plan(self) -> tuple:
+        while True:
+            if self._plan is None:
+                self._plan = self._ds.plan_chunk(self._epoch, self._chunk)
+            if self._batch < len(self._plan[2]) - 1:
+                return self._plan
+            # past this chunk's batches: the next chunk, or the next epoch's first
+            self._batch -= len(self._plan[2]) - 1
+            if (self._chunk + 1) * self._ds.chunk < self._ds.epoch_size():
+                self._chunk += 1
+            else:
+                self._epoch, self._chunk = self._epoch + 1, 0
+            self._plan = None
 
     def __next__(self) -> dict[str, np.ndarray]:
-        plan = self._current_plan()
-        if self._batch >= len(plan):
-            self._epoch, self._batch, self._plan = self._epoch + 1, 0, None
-            plan = self._current_plan()
-        rows = plan[self._batch]
+        order, rows, bounds = self._current_plan()
+        lo, hi = bounds[self._batch], bounds[self._batch + 1]
         self._batch += 1
-        return self._ds.materialize(rows, self._epoch)
+        return self._ds.fill(order[lo:hi], rows[lo:hi], self._epoch)
 
     def get_state(self) -> dict:
-        return {"epoch": self._epoch, "batch": self._batch}
+        return {"epoch": self._epoch, "chunk": self._chunk, "batch": self._batch}
 
     def set_state(self, state: dict) -> None:
-        self._epoch, self._batch, self._plan = int(state["epoch"]), int(state["batch"]), None
+        self._epoch, self._batch = int(state["epoch"]), int(state["batch"])
+        self._chunk, self._plan = int(state.get("chunk", 0)), None
 
 
 # Why a hand-written packer and not grain's FirstFitPackIterDataset: grain's applies
@@ -104,13 +151,14 @@ class PackedBatchIterator(grain.DatasetIterator):
 # batches and padding (7.5% vs 7.7% of slots: it also packs across epoch ends), but
 # packs ~30x fewer tokens per second of host time (benchmarks/packing.py: 75k vs
 # 2.4M tokens/s on the Ding pairs). The default run consumes ~7k tokens/s, so grain's
-# packer would take ~10% of a core from a 2-core training step; plan_epoch works on
-# the length table with numpy, grain's packer handles every example in Python.
+# packer would take ~10% of a core from a 2-core training step; plan_rows works on
+# the length table, grain's packer handles every example as a Python object.
 class PackedTrainDataset(grain.IterDataset):
-    """Training batches packed from pre-tokenized examples, reshuffled every epoch.
+    """Training batches packed from tokenized examples, reshuffled every epoch.
 
-    ``resample``, if given, maps an epoch to that epoch's examples (the same pairs
-    in the same order, e.g. a a ``pipeline.SubwordSampler``); it is called once per epoch.
+    ``examples``: an :class:`ExampleTable`, or a sequence of dicts of id arrays.
+    ``resample``, if given, maps an epoch to that epoch's examples (the same number in
+    the same order, e.g. a ``pipeline.SubwordSampler``); it is called once per epoch.
     ``ids=(offset, stride)`` adds ``example_ids`` to every batch: ``[rows, max_length]``
     ids ``offset + stride * index`` of the examples packed in each row (-1 after them)
     plus ``epoch * 2**32``, for auditing the data order (pop it before the model).
@@ -126,66 +174,102 @@ class PackedTrainDataset(grain.IterDataset):
         pack: bool,
         resample=None,
         ids: tuple[int, int] | None = None,
+        chunk: int | None = None,
     ):
         super().__init__()
-        self.examples = examples
+        self.examples = ExampleTable.of(examples)
         self.ids = ids
         self.resample = resample
-        self._epoch_cache: tuple[int, list, np.ndarray] | None = None
-        self.keys = tuple(examples[0])  # ("inputs", "targets") or ("targets",) for an LM
-        self.lengths = np.array([[len(e[k]) for k in self.keys] for e in examples])
+        self._epoch_cache: tuple[int, ExampleTable] | None = None
+        self.keys = self.examples.keys  # ("inputs", "targets") or ("targets",) for an LM
         self.batch_size, self.max_length, self.seed, self.pack = (
             batch_size,
             max_length,
             seed,
             pack,
         )
+        # unpacked batches need no planning: the whole epoch is one chunk
+        self.chunk = (chunk or CHUNK) if pack else max(len(self.examples), 1)
 
-    def epoch_examples(self, epoch: int) -> tuple[list, np.ndarray]:
-        """(examples, their ``[n, features]`` lengths) of ``epoch``."""
+    def epoch_size(self) -> int:
+        return len(self.examples)
+
+    def epoch_examples(self, epoch: int) -> ExampleTable:
+        """The examples of ``epoch`` (``resample(epoch)`` if given)."""
         if self.resample is None:
-            return self.examples, self.lengths
+            return self.examples
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
-            examples = self.resample(epoch)
-            lengths = np.array([[len(e[k]) for k in self.keys] for e in examples])
-            self._epoch_cache = (epoch, examples, lengths)
-        return self._epoch_cache[1], self._epoch_cache[2]
+            examples = ExampleTable.of(self.resample(epoch))
+            if len(examples) != len(self.examples):
+                raise ValueError(
+                    f"epoch {epoch} has {len(examples)} examples, not {len(self.examples)}"
+                )
+            self._epoch_cache = (epoch, examples)
+        return self._epoch_cache[1]
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+
+    def plan_chunk(self, epoch: int, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(example indices in arrival order, their rows, batch bounds) of ``chunk`` of
+        ``epoch``'s shuffled order."""
+        order = self.order(epoch)[chunk * self.chunk : (chunk + 1) * self.chunk]
+        if self.pack:
+            lengths = self.epoch_examples(epoch).lengths[order]
+            rows, bounds = plan_rows(lengths, self.batch_size, self.max_length)
+            return order, rows, bounds
+        n = len(order) // self.batch_size * self.batch_size
+        rows = (np.arange(n) % self.batch_size).astype(np.int32)
+        return order[:n], rows, np.arange(0, n + 1, self.batch_size, dtype=np.int64)
 
     def plan(self, epoch: int) -> list:
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-        if self.pack:
-            lengths = self.epoch_examples(epoch)[1]
-            return plan_epoch(lengths, order, self.batch_size, self.max_length)
-        n = len(order) // self.batch_size * self.batch_size
-        return [
-            [[int(i)] for i in order[s : s + self.batch_size]] for s in range(0, n, self.batch_size)
-        ]
+        """The whole epoch's batches as nested lists (batches -> rows -> indices)."""
+        batches = []
+        for c in range(max(1, -(-self.epoch_size() // self.chunk))):
+            order, rows, bounds = self.plan_chunk(epoch, c)
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                batch: list[list[int]] = [[] for _ in range(self.batch_size)]
+                for idx, r in zip(order[lo:hi], rows[lo:hi], strict=True):
+                    batch[r].append(int(idx))
+                batches.append(batch)
+        return batches
 
     def materialize(self, rows: list[list[int]], epoch: int = 0) -> dict[str, np.ndarray]:
-        examples = self.epoch_examples(epoch)[0]
+        """The batch of a plan's ``rows`` (lists of example indices)."""
+        flat = [(i, r) for r, row in enumerate(rows) for i in row]
+        examples = np.array([i for i, _ in flat], np.int64)
+        return self.fill(examples, np.array([r for _, r in flat], np.int32), epoch)
+
+    def fill(self, examples: np.ndarray, rows: np.ndarray, epoch: int = 0) -> dict[str, np.ndarray]:
+        """The batch holding ``examples`` (indices, in arrival order) in ``rows``."""
+        table = self.epoch_examples(epoch)
         shape = (self.batch_size, self.max_length)
+        by_row = np.argsort(rows, kind="stable")  # a row's examples in arrival order
+        examples, rows = np.asarray(examples)[by_row], np.asarray(rows)[by_row]
+        new = np.ones(len(rows), bool)
+        new[1:] = rows[1:] != rows[:-1]
+        group = np.cumsum(new) - 1
+        heads = np.flatnonzero(new)
+        segment = np.arange(len(rows)) - heads[group] + 1  # 1, 2, ... within a row
         out = {}
-        for key in self.keys:
+        for f, key in enumerate(self.keys):
+            lengths = table.lengths[examples, f].astype(np.int64)
+            before = np.cumsum(lengths) - lengths  # tokens of earlier examples
+            column = before - before[heads][group]  # where each starts in its row
+            within = np.arange(int(lengths.sum())) - np.repeat(before, lengths)
+            where = np.repeat(rows * self.max_length + column, lengths) + within
             tokens = np.zeros(shape, np.int32)
-            seg = np.zeros(shape, np.int32)
-            pos = np.zeros(shape, np.int32)
-            for r, row in enumerate(rows):
-                start = 0
-                for s, idx in enumerate(row, start=1):
-                    ids = examples[idx][key]
-                    end = start + len(ids)
-                    tokens[r, start:end] = ids
-                    seg[r, start:end] = s
-                    pos[r, start:end] = np.arange(len(ids))
-                    start = end
+            tokens.flat[where] = table.gather(key, examples)
             out[key] = tokens
             if self.pack:
+                seg, pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+                seg.flat[where] = np.repeat(segment, lengths)
+                pos.flat[where] = within
                 out[f"{key}_segment_ids"], out[f"{key}_positions"] = seg, pos
         if self.ids is not None:
             offset, stride = self.ids
             ids = np.full(shape, -1, np.int64)
-            for r, row in enumerate(rows):
-                ids[r, : len(row)] = [(epoch << 32) + offset + stride * i for i in row]
+            ids[rows, segment - 1] = (epoch << 32) + offset + stride * examples
             out["example_ids"] = ids
         return out
 
@@ -194,7 +278,7 @@ class PackedTrainDataset(grain.IterDataset):
 
 
 def train_iterator(
-    examples: Sequence[dict[str, np.ndarray]],
+    examples: ExampleTable | Sequence[dict[str, np.ndarray]],
     *,
     batch_size: int,
     max_length: int,
@@ -228,13 +312,13 @@ def train_iterator(
             f"{batch_size} rows of this process; pick data.shards accordingly"
         )
     mine = shards // process_count
-    examples = list(examples)
+    examples = ExampleTable.of(examples)
     parts = []
     for s in range(process_index * mine, (process_index + 1) * mine):
         shard = examples[s::shards]
         shard_resample = None
         if resample is not None:
-            shard_resample = lambda epoch, s=s: resample(epoch)[s::shards]  # noqa: E731
+            shard_resample = lambda epoch, s=s: ExampleTable.of(resample(epoch))[s::shards]  # noqa: E731
         rows = batch_size // mine
         if len(shard) < rows:
             raise ValueError(

@@ -30,6 +30,7 @@ import numpy as np
 
 from flaxformer_lite.config.experiment import TOO_LONG
 from flaxformer_lite.data.packing import pad_batch
+from flaxformer_lite.data.table import ExampleTable
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 
@@ -150,8 +151,8 @@ class SubsetSampler:
     examples (``data.resample_subsets``). Deterministic per (seed, epoch)."""
 
     def __init__(self, fixed, pools, seed: int):
-        self.fixed, self.seed = list(fixed), seed
-        self.pools = [(list(pool), count) for pool, count in pools]
+        self.fixed, self.seed = ExampleTable.of(fixed), seed
+        self.pools = [(ExampleTable.of(pool), count) for pool, count in pools]
         for pool, count in self.pools:
             if not 0 < count <= len(pool):
                 raise ValueError(f"cannot draw {count} of a pool of {len(pool)} examples")
@@ -172,11 +173,9 @@ class SubsetSampler:
             start, count = start + len(chunk), count - len(chunk)
         return np.concatenate(out)
 
-    def __call__(self, epoch: int) -> list[dict[str, np.ndarray]]:
-        out = list(self.fixed)
-        for k, (pool, _) in enumerate(self.pools):
-            out += [pool[i] for i in self.indices(k, epoch)]
-        return out
+    def __call__(self, epoch: int) -> ExampleTable:
+        draws = [pool.take(self.indices(k, epoch)) for k, (pool, _) in enumerate(self.pools)]
+        return ExampleTable.concat([self.fixed, *draws])
 
 
 def eval_batches(

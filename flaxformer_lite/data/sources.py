@@ -10,6 +10,7 @@ Also the selections made on texts before tokenization: fixed subsets
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -21,10 +22,9 @@ import tensorflow_datasets as tfds
 from flaxformer_lite.data import builders, files
 
 
-def load_texts(
-    dataset: str, split: str, features: Sequence[str], data_dir: str | Path
-) -> list[tuple[str, ...]]:
-    """Tuples of the given text features of one split, read with ``tfds.data_source``."""
+def open_split(dataset: str, split: str, features: Sequence[str], data_dir: str | Path):
+    """The ``tfds.data_source`` of one split (built first for a local corpus), checked:
+    not empty, and holding the given text features."""
     if files.is_files(dataset):  # a user's own text files
         source = files.data_source(dataset, split, features, data_dir)
     elif dataset in builders.LOCAL_BUILDERS:
@@ -48,13 +48,33 @@ def load_texts(
                 f"dataset {dataset} has no feature {feature!r} (it has {sorted(first)}); set "
                 "data.source_lang / data.target_lang to features it has"
             )
+    return source
+
+
+def identity(source, split: str) -> dict:
+    """What names a split's content for the token cache: the dataset's full name and
+    version (a ``files:`` corpus's holds its content fingerprint), the split, its
+    record count and its shard files' sizes."""
+    info = source.dataset_info
+    sizes = []
+    try:
+        sizes = [Path(str(p)).stat().st_size for p in info.splits[split].filepaths]
+    except (KeyError, OSError, AttributeError):
+        pass
+    return {"name": info.full_name, "split": split, "examples": len(source), "sizes": sizes}
+
+
+def read_rows(
+    source, indices: Sequence[int], features: Sequence[str], where: str = ""
+) -> list[tuple[str, ...]]:
+    """The texts of ``features`` of records ``indices`` (batched reads)."""
 
     def text(value, index: int) -> str:
         if value is None:  # what array_record returns from a cut-off or damaged shard
             raise ValueError(
-                f"record {index} of the {split!r} split of {dataset} in {data_dir} cannot be "
-                "read: an array_record shard is truncated or damaged; delete "
-                f"{Path(data_dir) / dataset.split('/')[0]} and rerun to build it again"
+                f"record {index} of {where or 'a split'} cannot be read: an array_record "
+                "shard is truncated or damaged; delete the dataset's folder under "
+                "data.data_dir and rerun to build it again"
             )
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
@@ -62,17 +82,40 @@ def load_texts(
     # pairs); __getitems__ reads a chunk in one call, ~50x faster.
     out: list[tuple[str, ...]] = []
     chunk = 4096
-    for start in range(0, len(source), chunk):
-        indices = list(range(start, min(start + chunk, len(source))))
+    indices = list(indices)
+    for start in range(0, len(indices), chunk):
+        part = [int(i) for i in indices[start : start + chunk]]
         records = (
-            source.__getitems__(indices)
+            source.__getitems__(part)
             if hasattr(source, "__getitems__")
-            else [source[i] for i in indices]
+            else [source[i] for i in part]
         )
         out.extend(
-            tuple(text(ex[f], i) for f in features) for i, ex in zip(indices, records, strict=True)
+            tuple(text(ex[f], i) for f in features) for i, ex in zip(part, records, strict=True)
         )
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRows:
+    """``rows(start, stop)``: the texts of records ``start:stop`` of a split (picklable:
+    the token cache's worker processes read their chunks with it)."""
+
+    source: object
+    features: tuple[str, ...]
+    where: str = ""
+
+    def __call__(self, start: int, stop: int) -> list[tuple[str, ...]]:
+        return read_rows(self.source, range(start, stop), self.features, self.where)
+
+
+def load_texts(
+    dataset: str, split: str, features: Sequence[str], data_dir: str | Path
+) -> list[tuple[str, ...]]:
+    """Tuples of the given text features of one split, read with ``tfds.data_source``."""
+    source = open_split(dataset, split, features, data_dir)
+    where = f"the {split!r} split of {dataset} in {data_dir}"
+    return read_rows(source, range(len(source)), features, where)
 
 
 def load_text_pairs(
@@ -82,13 +125,17 @@ def load_text_pairs(
     return load_texts(dataset, split, (source_lang, target_lang), data_dir)
 
 
+def fixed_subset_indices(n: int, limit: int | None) -> np.ndarray:
+    """Which ``limit`` of ``n`` items a ``split:N`` keeps, in their order, the same on
+    every machine and run; all of them if ``limit`` is None or larger."""
+    if limit is None or limit >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(0).permutation(n)[:limit])
+
+
 def fixed_subset(items: Sequence, limit: int | None) -> list:
-    """``limit`` of ``items`` in their order, the same on every machine and run
-    (``split:N`` in ``data.train_splits``); all of them if ``limit`` is None or larger."""
-    if limit is None or limit >= len(items):
-        return list(items)
-    keep = np.sort(np.random.default_rng(0).permutation(len(items))[:limit])
-    return [items[i] for i in keep]
+    """``limit`` of ``items`` in their order (:func:`fixed_subset_indices`)."""
+    return [items[i] for i in fixed_subset_indices(len(items), limit)]
 
 
 _WORD = re.compile(r"\w+")
@@ -103,10 +150,10 @@ def word_counts(texts: Sequence[tuple[str, ...]]) -> list[Counter]:
     return counts
 
 
-def known_word_pairs(
+def known_word_indices(
     texts: Sequence[tuple[str, ...]], counts: Sequence[Counter], min_count: int
-) -> list[tuple[str, ...]]:
-    """The pairs each of whose words occurs >= ``min_count`` times (per feature) in
+) -> np.ndarray:
+    """Which pairs have every word occurring >= ``min_count`` times (per feature) in
     ``counts``: of a large auxiliary set (dictionary phrases), the part about the
     main corpus's vocabulary."""
 
@@ -114,4 +161,18 @@ def known_word_pairs(
         words = _WORD.findall(text)
         return bool(words) and all(c[w.lower()] >= min_count for w in words)
 
-    return [t for t in texts if all(known(x, c) for x, c in zip(t, counts, strict=True))]
+    return np.array(
+        [
+            i
+            for i, t in enumerate(texts)
+            if all(known(x, c) for x, c in zip(t, counts, strict=True))
+        ],
+        np.int64,
+    )
+
+
+def known_word_pairs(
+    texts: Sequence[tuple[str, ...]], counts: Sequence[Counter], min_count: int
+) -> list[tuple[str, ...]]:
+    """The pairs of :func:`known_word_indices`."""
+    return [texts[i] for i in known_word_indices(texts, counts, min_count)]
