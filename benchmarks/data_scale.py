@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -39,6 +40,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+STAGES = {  # seconds, from the lines a start prints
+    "dataset_build_s": r"files: built in (\d+) s",
+    "tokenizer_s": r"tokenizer: [\d,]+ pieces learned in (\d+) s",
+    "token_cache_s": r"token cache: .* in (\d+) s",
+}
 SPLITS = {"train": None, "valid": 3000, "test": 3003}
 VOCAB_WORDS = 50_000
 MEAN_WORDS = 25
@@ -130,11 +136,13 @@ def _phase(corpus: Path, data_dir: Path, workdir: Path, batches: int) -> dict:
 
 def measure(args) -> None:
     scratch = Path(args.scratch)
-    data_dir, workdir = scratch / "tfds", scratch / "run"
-    for path in (data_dir, workdir):
+    data_dir, workdir = Path(args.data_dir or scratch / "tfds"), scratch / "run"
+    for path in (workdir,) if args.data_dir else (data_dir, workdir):
         shutil.rmtree(path, ignore_errors=True)
     pairs = sum(1 for _ in open(Path(args.corpus) / "train.en", "rb"))
     row = {"label": args.label, "pairs": pairs, "cores": os.cpu_count()}
+    if args.data_dir:  # the dataset was built before: the first start omits its build
+        row["dataset_prebuilt"] = True
     for phase in ("first", "restart"):
         command = [
             sys.executable,
@@ -144,6 +152,8 @@ def measure(args) -> None:
             str(args.corpus),
             "--scratch",
             str(scratch),
+            "--data_dir",
+            str(data_dir),
             "--batches",
             str(args.batches if phase == "restart" else 0),
         ]
@@ -153,6 +163,11 @@ def measure(args) -> None:
             sys.exit(f"{phase} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
         out = json.loads(result.stdout.strip().splitlines()[-1])
         out["process_s"] = time.perf_counter() - began
+        (scratch / f"{args.label}-{pairs}-{phase}.log").write_text(result.stdout + result.stderr)
+        for stage, pattern in STAGES.items():  # what the run said each part took
+            found = [float(x) for x in re.findall(pattern, result.stdout)]
+            if found:
+                out[stage] = sum(found)
         print(phase, out, flush=True)
         row[phase] = out
     path = RESULTS / "data_scale.json"
@@ -201,10 +216,16 @@ def main() -> None:
     m.add_argument("--corpus", type=Path, required=True)
     m.add_argument("--label", default="after")
     m.add_argument("--scratch", default="/tmp/data_scale")
+    m.add_argument(
+        "--data_dir",
+        default="",
+        help="a data_dir holding the built dataset (kept; default: SCRATCH/tfds, emptied first)",
+    )
     m.add_argument("--batches", type=int, default=200)
     p = sub.add_parser("_phase")
     p.add_argument("--corpus", type=Path)
     p.add_argument("--scratch", type=Path)
+    p.add_argument("--data_dir", type=Path)
     p.add_argument("--batches", type=int)
     sub.add_parser("report")
     args = parser.parse_args()
@@ -213,7 +234,7 @@ def main() -> None:
     elif args.command == "measure":
         measure(args)
     elif args.command == "_phase":
-        out = _phase(args.corpus, args.scratch / "tfds", args.scratch / "run", args.batches)
+        out = _phase(args.corpus, args.data_dir, args.scratch / "run", args.batches)
         print(json.dumps(out))
     else:
         report()

@@ -227,3 +227,18 @@ def test_a_build_killed_midway_is_never_read_and_the_next_start_builds_it_whole(
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     carved = 2 * files.CARVED_MAX  # validation and test come off train
     assert out.stdout.strip().splitlines()[-1] == str(len(pairs) - carved)
+
+
+def test_a_corpus_past_tfds_memory_buffer_builds_without_tensorflow(tmp_path, monkeypatch):
+    """Past 1 GB of examples TFDS spills them to bucket files through tf.io.gfile; with
+    the buffer made tiny, the spill happens here, without TensorFlow, and the split
+    reads back whole and in file order."""
+    from tensorflow_datasets.core import shuffle
+
+    monkeypatch.setattr(shuffle, "MAX_MEM_BUFFER_SIZE", 1000)  # bytes: spill at once
+    corpus = tmp_path / "corpus"
+    train = _pairs(3000)
+    _parallel(corpus, "train", train)
+    _parallel(corpus, "valid", _pairs(20, seed=1))
+    _parallel(corpus, "test", _pairs(20, seed=2))
+    assert _load(f"files:{corpus}", "train", tmp_path / "tfds") == train

@@ -27,7 +27,7 @@ from flaxformer_lite.config.experiment import TEXT_TASKS, ExperimentConfig
 from flaxformer_lite.data import cooccurrence, files, pipeline, sources, synthetic, token_store
 from flaxformer_lite.data.table import ExampleTable
 from flaxformer_lite.data.token_store import Store, View
-from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
+from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer, load_or_train
 
 
 @dataclasses.dataclass
@@ -156,11 +156,19 @@ def examples_of(
 ) -> tuple[ExampleTable, pipeline.PipelineStats]:
     """``rows`` of ``store`` as training examples: empty texts (no piece before EOS)
     skipped, those over ``max_length`` dropped or cut (``too_long``)."""
-    raw = store.lengths()[rows]
-    empty = (raw <= 1).any(axis=1)
-    long = ~empty & (raw > max_length).any(axis=1)
+    empty = np.zeros(len(rows), bool)
+    long = np.zeros(len(rows), bool)
+    lengths = np.empty((len(rows), len(store.keys)), np.int32)
+    for f, key in enumerate(store.keys):  # a feature at a time: one int32 an example
+        raw = store.lengths(key)
+        lengths[:, f] = raw[rows]
+        del raw
+        empty |= lengths[:, f] <= 1
+        long |= lengths[:, f] > max_length
+    long &= ~empty
     keep = ~empty & ~long if too_long == "drop" else ~empty
-    table = ExampleTable.of_store(store, rows[keep], max_length)
+    np.minimum(lengths, max_length, out=lengths)
+    table = ExampleTable([store], np.zeros(int(keep.sum()), np.int16), rows[keep], lengths[keep])
     dropped = int(long.sum()) if too_long == "drop" else 0
     cut = 0 if too_long == "drop" else int(long.sum())
     return table, pipeline.PipelineStats(len(table), dropped, cut, int(empty.sum()))
@@ -189,8 +197,8 @@ def stream_table(tables: list[ExampleTable], max_length: int) -> ExampleTable:
         parts = [t.gather(key, np.arange(len(t))) for t in tables if len(t)]
         ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     total = len(ids)
-    starts = np.append(np.arange(0, total, max_length), total) if total else np.zeros(1, np.int64)
-    return ExampleTable.of_store(Store((key,), {key: ids}, {key: starts.astype(np.int64)}))
+    ends = np.append(np.arange(max_length, total, max_length), total) if total else []
+    return ExampleTable.of_store(Store((key,), {key: ids}, {key: np.asarray(ends, np.int64)}))
 
 
 def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
@@ -210,6 +218,7 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
     # The tokenizer learns from one direction: the fixed pairs and every pool pair.
     learn = fixed + [selection for selection, _ in pools]
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
+    started, trained = time.perf_counter(), not (Path(workdir) / MODEL_NAME).exists()
     tokenizer = load_or_train(
         workdir,
         lambda: tokenizer_sentences(learn, d.tokenizer_max_sentences, len(columns)),
@@ -217,6 +226,12 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
         tags,
         d.tokenizer,
     )
+    if trained and not d.tokenizer:
+        print(
+            f"tokenizer: {tokenizer.vocab_size:,} pieces learned in "
+            f"{time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
 
     def views(selection: Selection) -> list[View]:
         forward = View(prefix=selection.aux)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import corpora
+from flaxformer_lite.data import corpora, tfds_spill
 from flaxformer_lite.data.prepare import PACKAGES, locate_dataset
 
 _INSTRUCTIONS = "Run `make prepare` (python -m flaxformer_lite.data.prepare) first."
@@ -138,6 +138,7 @@ def build_local_dataset(
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(Path(path).resolve())
+        tfds_spill.install()
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=str(manual))
         )

@@ -31,11 +31,14 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import tensorflow_datasets as tfds
+
+from flaxformer_lite.data import tfds_spill
 
 PREFIX = "files:"
 SPLITS = {"train": ("train",), "validation": ("validation", "valid", "dev"), "test": ("test",)}
@@ -342,6 +345,8 @@ def build(dataset: str, features: Sequence[str], data_dir: str | Path) -> tfds.c
                 "folder for the built corpus"
             ) from None
         print(f"files: building {dataset} ({', '.join(splits)}) into {builder.data_dir}")
+        started = time.perf_counter()
+        tfds_spill.install()  # past 1 GB TFDS spills through TensorFlow otherwise
         try:
             builder.download_and_prepare()
         except BaseException:
@@ -349,6 +354,7 @@ def build(dataset: str, features: Sequence[str], data_dir: str | Path) -> tfds.c
             # own): leave no empty or partial build behind.
             shutil.rmtree(Path(data_dir) / "local_files" / name, ignore_errors=True)
             raise
+        print(f"files: built in {time.perf_counter() - started:.0f} s", flush=True)
     return builder
 
 

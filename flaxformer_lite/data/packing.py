@@ -181,6 +181,7 @@ class PackedTrainDataset(grain.IterDataset):
         self.ids = ids
         self.resample = resample
         self._epoch_cache: tuple[int, ExampleTable] | None = None
+        self._order: tuple[int, np.ndarray] | None = None
         self.keys = self.examples.keys  # ("inputs", "targets") or ("targets",) for an LM
         self.batch_size, self.max_length, self.seed, self.pack = (
             batch_size,
@@ -188,8 +189,13 @@ class PackedTrainDataset(grain.IterDataset):
             seed,
             pack,
         )
+        if len(self.examples) < (1 if pack else batch_size):
+            raise ValueError(
+                f"{len(self.examples)} training examples cannot fill a batch of "
+                f"{batch_size} rows; lower the batch size or add data"
+            )
         # unpacked batches need no planning: the whole epoch is one chunk
-        self.chunk = (chunk or CHUNK) if pack else max(len(self.examples), 1)
+        self.chunk = (chunk or CHUNK) if pack else len(self.examples)
 
     def epoch_size(self) -> int:
         return len(self.examples)
@@ -208,7 +214,11 @@ class PackedTrainDataset(grain.IterDataset):
         return self._epoch_cache[1]
 
     def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        """The shuffled order of ``epoch``'s examples (kept while the epoch lasts)."""
+        if self._order is None or self._order[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+            self._order = (epoch, order.astype(np.int32 if len(order) < 2**31 else np.int64))
+        return self._order[1]
 
     def plan_chunk(self, epoch: int, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(example indices in arrival order, their rows, batch bounds) of ``chunk`` of
@@ -269,7 +279,7 @@ class PackedTrainDataset(grain.IterDataset):
         if self.ids is not None:
             offset, stride = self.ids
             ids = np.full(shape, -1, np.int64)
-            ids[rows, segment - 1] = (epoch << 32) + offset + stride * examples
+            ids[rows, segment - 1] = (epoch << 32) + offset + stride * examples.astype(np.int64)
             out["example_ids"] = ids
         return out
 

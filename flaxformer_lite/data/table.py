@@ -29,18 +29,25 @@ class ExampleTable:
         self.stores = list(stores)
         self.keys = self.stores[0].keys if self.stores else ()
         self.part = np.asarray(part, np.int16)
-        self.row = np.asarray(row, np.int64)
-        self.lengths = np.asarray(lengths, np.int32).reshape(len(self.row), len(self.keys))
+        # the narrowest types that hold them: a few bytes an example, millions of them
+        wide = max((len(s) for s in self.stores), default=0) >= 2**31
+        self.row = np.asarray(row, np.int64 if wide else np.int32)
+        lengths = np.asarray(lengths)
+        narrow = lengths.size == 0 or int(lengths.max()) < 2**16
+        self.lengths = lengths.astype(np.uint16 if narrow else np.int32, copy=False).reshape(
+            len(self.row), len(self.keys)
+        )
 
     @classmethod
     def of_store(
         cls, store: Store, rows: np.ndarray | None = None, max_length: int | None = None
     ) -> ExampleTable:
         """``rows`` of ``store`` (all of them by default), cut to ``max_length``."""
-        rows = np.arange(len(store)) if rows is None else np.asarray(rows, np.int64)
-        lengths = store.lengths()[rows]
+        whole = rows is None
+        rows = np.arange(len(store)) if whole else np.asarray(rows)
+        lengths = store.lengths() if whole else store.lengths()[rows]
         if max_length is not None:
-            lengths = np.minimum(lengths, max_length)
+            np.minimum(lengths, max_length, out=lengths)
         return cls([store], np.zeros(len(rows), np.int16), rows, lengths)
 
     @classmethod
@@ -112,16 +119,15 @@ class ExampleTable:
         for p in np.unique(parts):
             mine = np.flatnonzero(parts == p) if len(self.stores) > 1 else np.arange(len(examples))
             store = self.stores[p]
-            starts = store.starts[key]
-            rows = self.row[examples[mine]]
+            start, stop = store.bounds(key, self.row[examples[mine]].astype(np.int64))
             n = lengths[mine]
             # source offsets of every token: each example's start, then +1 per token
-            shift = np.repeat(starts[rows] - firsts[mine], n)
+            shift = np.repeat(start - firsts[mine], n)
             where = np.repeat(firsts[mine], n) + (
                 np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
             )
             out[where] = store.ids[key][shift + where]
-            cut = (starts[rows + 1] - starts[rows]) > n
+            cut = (stop - start) > n
             if cut.any():  # truncated: the last kept id becomes EOS
                 out[ends[mine][cut] - 1] = EOS_ID
         return out

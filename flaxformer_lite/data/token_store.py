@@ -2,7 +2,8 @@
 
 A store is a folder, one pair of flat files per feature (the layout of fairseq's
 mmap indexed dataset): ``{feature}.ids``, every example's ids (EOS included) back to
-back, and ``{feature}.ends``, int64, where each example ends in it; plus
+back, and ``{feature}.ends``, int64, where each example ends in it (both read
+memory-mapped: a process holds no per-example array of them); plus
 ``meta.json``, which says what was tokenized (the dataset's identity, the split, the
 features, how the texts were turned, the tokenizer's SHA-256) and how many ids each
 file holds. Ids are uint16 where the vocabulary fits, else int32.
@@ -65,51 +66,66 @@ class View:
 
 
 class Store:
-    """Examples as token ids in flat arrays: ``ids[key]`` back to back and
-    ``starts[key]`` (``n + 1`` offsets: example ``i`` is ``ids[starts[i]:starts[i+1]]``)."""
+    """Examples as token ids in flat arrays: ``ids[key]`` back to back and ``ends[key]``
+    (where each example ends: example ``i`` is ``ids[ends[i-1]:ends[i]]``, from 0 for
+    the first). Both may be memory-mapped: pages shared by every process on the host."""
 
-    def __init__(self, keys: Sequence[str], ids: dict, starts: dict, name: str = "memory"):
+    def __init__(self, keys: Sequence[str], ids: dict, ends: dict, name: str = "memory"):
         self.keys = tuple(keys)
-        self.ids, self.starts, self.name = ids, starts, name
-        self.n = len(starts[self.keys[0]]) - 1
+        self.ids, self.ends, self.name = ids, ends, name
+        self.n = len(ends[self.keys[0]])
 
     def __len__(self) -> int:
         return self.n
 
-    def lengths(self) -> np.ndarray:
-        """``[n, keys]`` token counts (int32)."""
-        return np.stack([np.diff(self.starts[k]).astype(np.int32) for k in self.keys], axis=1)
+    def bounds(self, key: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) in ``ids[key]`` of examples ``rows``."""
+        ends = self.ends[key]
+        stop = np.asarray(ends[rows], np.int64)
+        start = np.where(rows > 0, ends[np.maximum(rows - 1, 0)], 0).astype(np.int64)
+        return start, stop
+
+    def lengths(self, key: str | None = None) -> np.ndarray:
+        """Token counts (int32): of ``key``, else ``[n, keys]``; read in slices, so that
+        a memory-mapped store's offsets are never copied whole."""
+        if key is None:
+            return np.stack([self.lengths(k) for k in self.keys], axis=1)
+        ends, out, step = self.ends[key], np.empty(self.n, np.int32), 1 << 20
+        previous = 0
+        for a in range(0, self.n, step):
+            chunk = np.asarray(ends[a : a + step], np.int64)
+            out[a : a + len(chunk)] = np.diff(chunk, prepend=previous)
+            previous = int(chunk[-1])
+        return out
 
     def example(self, i: int) -> dict[str, np.ndarray]:
-        return {
-            k: np.asarray(self.ids[k][self.starts[k][i] : self.starts[k][i + 1]], np.int32)
-            for k in self.keys
-        }
+        out = {}
+        for k in self.keys:
+            start, stop = self.bounds(k, np.array([i]))
+            out[k] = np.asarray(self.ids[k][int(start[0]) : int(stop[0])], np.int32)
+        return out
 
     @classmethod
     def from_examples(cls, examples: Sequence[dict[str, np.ndarray]]) -> Store:
         """An in-memory store of ``examples`` (dicts of id arrays, the same keys each)."""
         keys = tuple(examples[0])
-        ids, starts = {}, {}
+        ids, ends = {}, {}
         for k in keys:
             lengths = np.fromiter((len(e[k]) for e in examples), np.int64, len(examples))
-            starts[k] = np.concatenate([[0], np.cumsum(lengths)])
-            ids[k] = (
-                np.concatenate([np.asarray(e[k], np.int32) for e in examples])
-                if len(examples)
-                else np.zeros(0, np.int32)
-            )
-        return cls(keys, ids, starts)
+            ends[k] = np.cumsum(lengths)
+            ids[k] = np.concatenate([np.asarray(e[k], np.int32) for e in examples])
+        return cls(keys, ids, ends)
 
     @classmethod
     def from_lists(cls, keys: Sequence[str], columns: Sequence[list[list[int]]]) -> Store:
         """A store of per-feature lists of id lists (each ending in EOS)."""
-        ids, starts = {}, {}
+        ids, ends = {}, {}
         for k, column in zip(keys, columns, strict=True):
             lengths = np.fromiter(map(len, column), np.int64, len(column))
-            starts[k] = np.concatenate([[0], np.cumsum(lengths)])
-            ids[k] = np.fromiter(itertools.chain.from_iterable(column), np.int32, starts[k][-1])
-        return cls(keys, ids, starts)
+            ends[k] = np.cumsum(lengths)
+            total = int(ends[k][-1]) if len(column) else 0
+            ids[k] = np.fromiter(itertools.chain.from_iterable(column), np.int32, total)
+        return cls(keys, ids, ends)
 
 
 def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
@@ -234,7 +250,7 @@ def open_store(folder: Path, key: str, tokenizer_sha: str) -> Store | None:
     if meta.get("key") != key or meta.get("tokenizer") != tokenizer_sha:
         return None
     dtype = np.dtype(meta["dtype"])
-    ids, starts = {}, {}
+    ids, ends = {}, {}
     for k in meta["keys"]:
         id_path, end_path = folder / f"{k}.ids", folder / f"{k}.ends"
         count, n = meta["ids"][k], meta["examples"]
@@ -246,9 +262,8 @@ def open_store(folder: Path, key: str, tokenizer_sha: str) -> Store | None:
         ):
             return None
         ids[k] = np.memmap(id_path, dtype, "r", shape=(count,)) if count else np.zeros(0, dtype)
-        ends = np.memmap(end_path, np.int64, "r", shape=(n,)) if n else np.zeros(0, np.int64)
-        starts[k] = np.concatenate([[0], ends])  # n + 1 offsets, in memory (8 bytes each)
-    return Store(meta["keys"], ids, starts, name=str(folder))
+        ends[k] = np.memmap(end_path, np.int64, "r", shape=(n,)) if n else np.zeros(0, np.int64)
+    return Store(meta["keys"], ids, ends, name=str(folder))
 
 
 def cached_store(
