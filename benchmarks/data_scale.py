@@ -96,6 +96,18 @@ def _config(corpus: Path, data_dir: Path):
     return load_config(str(ROOT / "configs" / "paper_base.py"), None, overrides)
 
 
+def _resident(when: str) -> dict:
+    """This process's resident memory now: private (anonymous) and file-backed (the
+    shared libraries, and the memory-mapped token cache's pages: page cache, shared by
+    the processes of a host and dropped first under memory pressure)."""
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    kib = {k: int(status[k].split()[0]) for k in ("RssAnon", "RssFile") if k in status}
+    return {
+        f"private_gib_{when}": kib.get("RssAnon", 0) / 2**20,
+        f"file_gib_{when}": kib.get("RssFile", 0) / 2**20,
+    }
+
+
 def _phase(corpus: Path, data_dir: Path, workdir: Path, batches: int) -> dict:
     """One start, in this process: seconds to the first batch, then packing speed."""
     started = time.perf_counter()
@@ -114,6 +126,7 @@ def _phase(corpus: Path, data_dir: Path, workdir: Path, batches: int) -> dict:
         "prepare_s": prepared - started,
         "first_batch_s": first - started,
         "train_examples": int(len(data.train)),
+        **_resident("at_first_batch"),
     }
     close = getattr(iterator, "close", None)
     if close is not None:
@@ -131,19 +144,25 @@ def _phase(corpus: Path, data_dir: Path, workdir: Path, batches: int) -> dict:
             tokens += int((next(it)["targets"] != PAD_ID).sum())
         out["packing_target_tokens_per_s"] = tokens / (time.perf_counter() - began)
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    out.update(_resident("at_end"))
     return out
 
 
 def measure(args) -> None:
     scratch = Path(args.scratch)
     data_dir, workdir = Path(args.data_dir or scratch / "tfds"), scratch / "run"
-    for path in (workdir,) if args.data_dir else (data_dir, workdir):
-        shutil.rmtree(path, ignore_errors=True)
+    if args.phases != "restart":  # a restart alone measures the folders as they are
+        for path in (workdir,) if args.data_dir else (data_dir, workdir):
+            shutil.rmtree(path, ignore_errors=True)
     pairs = sum(1 for _ in open(Path(args.corpus) / "train.en", "rb"))
     row = {"label": args.label, "pairs": pairs, "cores": os.cpu_count()}
     if args.data_dir:  # the dataset was built before: the first start omits its build
         row["dataset_prebuilt"] = True
-    for phase in ("first", "restart"):
+    path = RESULTS / "data_scale.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    if args.phases == "restart":  # keep the row's first start
+        row = next(r for r in rows if (r["label"], r["pairs"]) == (args.label, pairs))
+    for phase in ("first", "restart") if args.phases == "both" else (args.phases,):
         command = [
             sys.executable,
             __file__,
@@ -170,13 +189,15 @@ def measure(args) -> None:
                 out[stage] = sum(found)
         print(phase, out, flush=True)
         row[phase] = out
-    path = RESULTS / "data_scale.json"
-    rows = json.loads(path.read_text()) if path.exists() else []
     rows = [r for r in rows if (r["label"], r["pairs"]) != (row["label"], row["pairs"])]
     path.write_text(
         json.dumps(sorted(rows + [row], key=lambda r: (r["pairs"], r["label"])), indent=1)
     )
     report()
+
+
+def _s(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def report() -> None:
@@ -187,21 +208,49 @@ def report() -> None:
         "`python benchmarks/data_scale.py generate --pairs N --out CORPUS`, then "
         "`python benchmarks/data_scale.py measure --corpus CORPUS --label L` "
         "(`before`: the code before the token cache, on PYTHONPATH). "
-        "configs/paper_base.py on `files:CORPUS` (37k vocabulary, rows of 64), each start "
-        "a fresh process on a 2-core machine; packing on one core, no prefetch thread.",
+        "configs/paper_base.py (37k vocabulary, rows of 64, 400 rows a batch) on "
+        "`files:CORPUS`, each start a fresh process on a 2-core AMD EPYC; the first start "
+        "begins with an empty data_dir and workdir, the restart is the same command again "
+        "(a resume, a preempted job, a sweep's next seed). Packing: the packer's own "
+        "work on one core, no prefetch thread, 200 batches after the first.",
         "",
-        "| pairs | code | first start to first batch (s) | restart to first batch (s) "
-        "| peak RSS first / restart (GiB) | packing, target tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| pairs | code | first start: dataset / tokenizer / token ids (s) | first start to "
+        "first batch (s) | restart to first batch (s) | peak RSS first / restart (GiB) "
+        "| restart at first batch: private / file-backed (GiB) | packing (target tokens/s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for r in rows:
         f, s = r["first"], r["restart"]
-        lines.append(
-            f"| {r['pairs']:,} | {r['label']} | {f['first_batch_s']:.0f} | "
-            f"{s['first_batch_s']:.1f} | {f['peak_rss_gib']:.2f} / {s['peak_rss_gib']:.2f} | "
-            f"{s.get('packing_target_tokens_per_s', 0):,.0f} |"
+        stages = " / ".join(
+            _s(f.get(k)) for k in ("dataset_build_s", "tokenizer_s", "token_cache_s")
         )
-    (RESULTS / "data_scale.md").write_text("\n".join(lines) + "\n")
+        if r.get("dataset_prebuilt"):
+            stages = "prebuilt / " + stages.split(" / ", 1)[1]
+        mark = f" [{len(notes) + 1}]" if r.get("note") else ""
+        if r.get("note"):
+            notes.append(r["note"])
+        lines.append(
+            f"| {r['pairs']:,} | {r['label']}{mark} | {stages} | {_s(f['first_batch_s'])} | "
+            f"{_s(s['first_batch_s'], 1)} | {f['peak_rss_gib']:.2f} / "
+            f"{s['peak_rss_gib']:.2f} | {_s(s.get('private_gib_at_first_batch'), 2)} / "
+            f"{_s(s.get('file_gib_at_first_batch'), 2)} | "
+            f"{_s(s.get('packing_target_tokens_per_s'))} |"
+        )
+    lines += [""] + [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
+    lines += [
+        "",
+        "Peak RSS of a first start is sentencepiece learning the 37k vocabulary from "
+        "`data.tokenizer_max_sentences` (1M) sentences: bounded by that setting, not by "
+        "the corpus (`data.tokenizer=PATH` skips it). A restart's peak includes the "
+        "memory-mapped token ids that the 200 packed batches touched (file-backed page "
+        "cache, shared by a host's processes); its private memory is the column before.",
+    ]
+    log = RESULTS / "data_scale_paper_base.log"
+    if log.exists():  # configs/paper_base.py's first steps on the generated corpus
+        lines += ["", "## paper_base's first steps on the 4.5M-pair corpus", "", "```"]
+        lines += [x if x[:1] == "#" else x[:200] for x in log.read_text().splitlines()] + ["```"]
+    (RESULTS / "data_scale.md").write_text("\n".join(lines).rstrip() + "\n")
     print("\n".join(lines))
 
 
@@ -222,6 +271,7 @@ def main() -> None:
         help="a data_dir holding the built dataset (kept; default: SCRATCH/tfds, emptied first)",
     )
     m.add_argument("--batches", type=int, default=200)
+    m.add_argument("--phases", choices=("both", "first", "restart"), default="both")
     p = sub.add_parser("_phase")
     p.add_argument("--corpus", type=Path)
     p.add_argument("--scratch", type=Path)

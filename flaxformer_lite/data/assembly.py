@@ -112,7 +112,7 @@ def tokenizer_sentences(selections: list[Selection], max_sentences: int, width: 
         view = View(prefix=selection.aux)
         texts[k] = dict(zip(wanted.tolist(), map(view.apply, selection.rows(wanted)), strict=True))
     for k, j in zip(which.tolist(), local.tolist(), strict=True):
-        yield from texts[k][j]
+        yield from texts[k].pop(j)  # each pair once: sentencepiece keeps its own copy
 
 
 def split_store(
