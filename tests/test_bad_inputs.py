@@ -101,6 +101,11 @@ CASES = [
         ["cannot write data.data_dir=", "a_file", "writable folder"],
     ),
     (
+        "token cache in a data_dir where it cannot be written",
+        ["--config.data.data_dir={tmp}/tfds_nocache"],
+        ["cannot write the token cache", "tfds_nocache", "data.data_dir"],
+    ),
+    (
         "own corpus, files of unequal length",
         ["--config.data.dataset=files:{tmp}/own_unequal"],
         ["train.de has 199", "lines"],
@@ -236,6 +241,9 @@ def _write_corpora(tmp: pathlib.Path, data_dir: pathlib.Path) -> dict[str, str]:
                 "".join(f"Große {i}. :: Big {i}.\n" for i in range(50)).encode("latin1")
             )
         raws[key] = str(raw)
+    nocache = tmp / "tfds_nocache"  # the corpus built, but no folder for its token ids
+    shutil.copytree(data_dir, nocache, ignore=shutil.ignore_patterns("token_cache"))
+    (nocache / "token_cache").write_text("a file where the token cache should be")
     truncated = tmp / "tfds_truncated"
     shutil.copytree(data_dir, truncated)
     shard = next(truncated.rglob("*train.array_record*"))
