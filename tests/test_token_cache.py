@@ -126,13 +126,20 @@ def test_a_killed_build_is_never_read_and_the_next_builds_it_whole(tmp_path):
     root, tokenizer = tmp_path / "cache", Chars(tmp_path / "t")
     # What kill -9 leaves: a folder of a dead build (its pid is gone), and, had the rename
     # raced, a final folder without meta.json. Neither is read; both are replaced.
-    dead = root / "train-x.tmp-999999999"
+    dead = root / f"train-x.tmp-{token_store._HOST}-999999999"
     dead.mkdir(parents=True)
+    elsewhere = root / "train-x.tmp-otherhost-1"  # another host's build, maybe running
+    elsewhere.mkdir()
     (dead / "inputs.ids").write_bytes(b"\0" * 10)
     (root / "train-x").mkdir()
     (root / "train-x" / "inputs.ids").write_bytes(b"\1" * 10)
     store = _build(root, texts, tokenizer)
     assert not dead.exists() and (root / "train-x" / "meta.json").exists()
+    assert elsewhere.exists()  # left alone for a day: its process cannot be asked
+    os.utime(elsewhere, (time.time() - 2 * token_store.STALE_SECONDS,) * 2)
+    (root / "train-x" / "meta.json").unlink()  # so that the next call builds again
+    _build(root, texts, tokenizer)
+    assert not elsewhere.exists()
     assert _ids(store.example(7)) == _ids(
         {"inputs": tokenizer.encode("a7"), "targets": tokenizer.encode("bb7")}
     )

@@ -8,7 +8,7 @@ memory-mapped: a process holds no per-example array of them); plus
 features, how the texts were turned, the tokenizer's SHA-256) and how many ids each
 file holds. Ids are uint16 where the vocabulary fits, else int32.
 
-A store is built in a folder of its own (``NAME.tmp-PID``) and renamed into place
+A store is built in a folder of its own (``NAME.tmp-HOST-PID``) and renamed into place
 once complete, so a build killed at any point leaves nothing that is read: the next
 run removes the leftover and builds again. A store is read only if its ``meta.json``
 names the same key and tokenizer and its files have the sizes it records; a store of
@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -238,6 +239,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_HOST = socket.gethostname().replace("-", "_")
+STALE_SECONDS = 24 * 3600
+
+
+def _abandoned(folder: Path) -> bool:
+    """A build folder whose writer is gone: a dead process of this host, or untouched
+    for a day (another host's, on a shared data_dir, whose processes cannot be asked)."""
+    host, _, pid = folder.name.rpartition(".tmp-")[2].rpartition("-")
+    if host == _HOST and pid.isdigit():
+        return not _alive(int(pid))
+    try:
+        return time.time() - folder.stat().st_mtime > STALE_SECONDS
+    except OSError:
+        return False
+
+
 def open_store(folder: Path, key: str, tokenizer_sha: str) -> Store | None:
     """The complete store in ``folder`` built for ``key`` and this tokenizer, else None."""
     meta_path = folder / META
@@ -291,10 +308,10 @@ def cached_store(
     try:
         root.mkdir(parents=True, exist_ok=True)
         for old in root.glob(f"{name}.tmp-*"):  # a build killed before its rename
-            pid = old.name.rpartition("-")[2]
-            if not pid.isdigit() or not _alive(int(pid)) or int(pid) == os.getpid():
+            if _abandoned(old):
                 shutil.rmtree(old, ignore_errors=True)
-        tmp = root / f"{name}.tmp-{os.getpid()}"
+        tmp = root / f"{name}.tmp-{_HOST}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
         raise TokenCacheError(
