@@ -166,8 +166,9 @@ def measure(args) -> None:
         row["dataset_prebuilt"] = True
     path = RESULTS / "data_scale.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    if args.phases == "restart":  # keep the row's first start
-        row = next(r for r in rows if (r["label"], r["pairs"]) == (args.label, pairs))
+    if args.phases != "both":  # keep the row's other phase
+        old = [r for r in rows if (r["label"], r["pairs"]) == (args.label, pairs)]
+        row = {**(old[0] if old else {}), **row}
     for phase in ("first", "restart") if args.phases == "both" else (args.phases,):
         command = [
             sys.executable,
@@ -229,7 +230,7 @@ def report() -> None:
     ]
     notes = []
     for r in rows:
-        f, s = r["first"], r["restart"]
+        f, s = r.get("first", {}), r.get("restart", {})
         stages = " / ".join(
             _s(f.get(k)) for k in ("dataset_build_s", "tokenizer_s", "token_cache_s")
         )
@@ -239,9 +240,9 @@ def report() -> None:
         if r.get("note"):
             notes.append(r["note"])
         lines.append(
-            f"| {r['pairs']:,} | {r['label']}{mark} | {stages} | {_s(f['first_batch_s'])} | "
-            f"{_s(s['first_batch_s'], 1)} | {f['peak_rss_gib']:.2f} / "
-            f"{s['peak_rss_gib']:.2f} | {_s(s.get('private_gib_at_first_batch'), 2)} / "
+            f"| {r['pairs']:,} | {r['label']}{mark} | {stages} | {_s(f.get('first_batch_s'))} | "
+            f"{_s(s.get('first_batch_s'), 1)} | {_s(f.get('peak_rss_gib'), 2)} / "
+            f"{_s(s.get('peak_rss_gib'), 2)} | {_s(s.get('private_gib_at_first_batch'), 2)} / "
             f"{_s(s.get('file_gib_at_first_batch'), 2)} | "
             f"{_s(s.get('packing_target_tokens_per_s'))} |"
         )

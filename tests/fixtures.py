@@ -216,3 +216,17 @@ def trained_translation_run(tmp_path_factory, data_dir) -> Path:
             train_and_evaluate(config, folder / "run")
 
     return shared_folder(tmp_path_factory, "translation-run", build) / "run"
+
+
+def kill_when(child, ready: Callable[[], bool], timeout: float = 120) -> None:
+    """SIGKILL ``child`` (a Popen) as soon as ``ready()``; fails if it ends first."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert child.poll() is None, "the child ended before it could be killed"
+        assert time.monotonic() < deadline, f"not ready after {timeout} s"
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()

@@ -7,15 +7,14 @@ import json
 import os
 import random
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from flaxformer_lite.data import assembly, files, sources
+from tests.fixtures import kill_when
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = {"house": "Haus", "tree": "Baum", "water": "Wasser", "dog": "Hund", "cat": "Katze"}
@@ -217,13 +216,7 @@ def test_a_build_killed_midway_is_never_read_and_the_next_start_builds_it_whole(
     def writing() -> bool:
         return built.exists() and any("incomplete" in p.name for p in built.rglob("*"))
 
-    deadline = time.monotonic() + 120
-    while not writing():
-        assert child.poll() is None, "the build ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    kill_when(child, writing)
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     carved = 2 * files.CARVED_MAX  # validation and test come off train
     assert out.stdout.strip().splitlines()[-1] == str(len(pairs) - carved)

@@ -5,7 +5,6 @@ never misread."""
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ from flaxformer_lite.data import assembly, packing, pipeline, sources, token_sto
 from flaxformer_lite.data.table import ExampleTable
 from flaxformer_lite.data.token_store import Store, View
 from flaxformer_lite.data.tokenizer import EOS_ID, train_tokenizer
-from tests.fixtures import load_config
+from tests.fixtures import kill_when, load_config
+from tests.test_data_pipeline import _examples
 from tests.test_own_files import _pairs, _parallel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,17 +191,7 @@ def test_a_cache_build_killed_midway_leaves_nothing_that_is_read(tmp_path):
     args = [sys.executable, "-c", KILLED_BUILD, str(root), str(model), str(n)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     child = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-
-    def writing() -> bool:
-        return any(p.stat().st_size > 0 for p in root.glob("train-x.tmp-*/*.ids"))
-
-    while not writing():
-        assert child.poll() is None, "the build ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    kill_when(child, lambda: any(p.stat().st_size for p in root.glob("train-x.tmp-*/*.ids")))
     assert token_store.open_store(root / "train-x", "k", "sha") is None
     args[-1] = str(n // 10)  # the next start (fewer pairs, to be quick): built whole
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
@@ -232,17 +222,6 @@ def test_plan_rows_is_first_fit(features, batch_size):
     rows, bounds = packing.plan_rows(lengths, batch_size, 24)
     want_rows, want_bounds = _first_fit(lengths, batch_size, 24)
     assert rows.tolist() == want_rows and bounds.tolist() == want_bounds
-
-
-def _examples(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "inputs": np.append(rng.integers(4, 50, rng.integers(1, 12)), EOS_ID).astype(np.int32),
-            "targets": np.append(rng.integers(4, 50, rng.integers(1, 12)), EOS_ID).astype(np.int32),
-        }
-        for _ in range(n)
-    ]
 
 
 def test_chunked_epochs_hold_every_example_once_and_resume_exactly():

@@ -8,7 +8,8 @@ TensorFlow is not installed, as here: the builders of our own corpora, of a user
 files and TFDS's own ``wmt14_translate`` alike. The buckets are plain local files
 written and read back by the same process, so :func:`install` gives the shuffler
 the few ``tf.io.gfile`` / ``tf.errors`` names it uses, backed by Python's own file
-functions. It changes nothing where TensorFlow is installed.
+functions (where TensorFlow is installed, TFDS uses its own). The buffer is lowered to
+256 MB, so that a build's memory does not grow with the corpus up to 1 GB.
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ _SHIM = types.SimpleNamespace(
 )
 
 
+BUFFER_BYTES = 256 << 20  # spill past this, not 1 GB: a build's memory stays small
+
+
 def install() -> bool:
-    """Let TFDS's shuffler spill without TensorFlow; True if the shim is in place."""
-    if importlib.util.find_spec("tensorflow") is not None:
-        return False
+    """Let TFDS's shuffler spill without TensorFlow, from ``BUFFER_BYTES`` on; True if
+    the shim is in place."""
     from tensorflow_datasets.core import shuffle
 
+    shuffle.MAX_MEM_BUFFER_SIZE = min(shuffle.MAX_MEM_BUFFER_SIZE, BUFFER_BYTES)
+    if importlib.util.find_spec("tensorflow") is not None:
+        return False
     shuffle.tf = _SHIM
     return True
