@@ -142,6 +142,8 @@ _PATTERN = flags.DEFINE_multi_string(
     ["local:window=8", "topk:k=8"],
     "diagnostics: a sparse pattern whose share of the attention mass to report (repeat).",
 )
+_FORMAT = flags.DEFINE_string("format", "hf", "export: hf (a Hugging Face Marian folder).")
+_OUT = flags.DEFINE_string("out", None, "export: the folder to write (default WORKDIR/export_hf).")
 _TARGET = flags.DEFINE_string(
     "target", None, "attention: the translation to draw (default: the model's own)."
 )
@@ -184,6 +186,12 @@ def _average(texts: list[str]) -> None:
     from flaxformer_lite.inference.average import average_workdir
 
     average_workdir(_WORKDIR.value, _NUM.value, _WINDOW.value, _VALIDATE.value)
+
+
+def _export(texts: list[str]) -> None:
+    from flaxformer_lite.inference.export import export_workdir
+
+    export_workdir(_WORKDIR.value, _FORMAT.value, _OUT.value)
 
 
 def _translate(texts: list[str]) -> None:
@@ -260,6 +268,7 @@ COMMANDS = {
     "train": Command(_train, ("config", *PROCESSES)),
     "average": Command(_average, ("num", "window", "validate")),
     "translate": Command(_translate, ("input", "ensemble", *DECODE), texts=True),
+    "export": Command(_export, ("format", "out")),
     "evaluate": Command(_evaluate, ("split", "limit", "ensemble", *DECODE)),
     "generate": Command(_generate, ("input", "ensemble", *SAMPLING), texts=True),
     "attention": Command(_attention, ("output", "target", *DECODE), texts=True),

@@ -196,6 +196,11 @@ CASES = [
     ),  # fmt: skip
     ("translate a missing workdir", ["translate", "--workdir={tmp}/nothing", "x"], ["nothing"]),
     (
+        "export to an unknown format",
+        ["export", "--workdir={tmp}/run", "--format=onnx", "--out={tmp}/onnx"],
+        ["--format='onnx'", "hf"],
+    ),
+    (
         "translate a folder with no run",
         ["translate", "--workdir={tmp}/empty_dir", "x"],
         ["empty_dir"],

@@ -1,0 +1,113 @@
+"""Export to Hugging Face Marian: transformers' own forward on the written folder gives
+our logits; what cannot map is refused before anything is written."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.inference import export
+from flaxformer_lite.model.transformer import Transformer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _model(**overrides):
+    config = ModelConfig(
+        vocab_size=60, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=2,
+        num_decoder_layers=2, max_len=32, layer_norm_epsilon=export.MARIAN_EPSILON,
+        **overrides,
+    )  # fmt: skip
+    model = Transformer(config)
+    tokens = jnp.ones((1, 6), jnp.int32)
+    params = model.init(jax.random.key(0), tokens, tokens)["params"]
+    # Every parameter random (LayerNorms and biases start at 1 and 0): a wrong axis or
+    # order anywhere shows.
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return config, model, jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(4, 60, (3, 9)).astype(np.int32)
+    targets = rng.integers(4, 60, (3, 7)).astype(np.int32)
+    inputs[0, 6:] = 0  # padded rows
+    targets[1, 4:] = 0
+    inputs[:, -1][inputs[:, -1] != 0] = 1
+    return inputs, targets
+
+
+def _theirs(folder, inputs, targets):
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    decoder_inputs = np.concatenate([np.full((len(targets), 1), 2), targets[:, :-1]], 1)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(inputs, dtype=torch.long),
+            attention_mask=torch.tensor(inputs != 0, dtype=torch.long),
+            decoder_input_ids=torch.tensor(decoder_inputs, dtype=torch.long),
+        )
+    return out.logits.numpy()
+
+
+@pytest.mark.parametrize(
+    "activation,ln_position", [("relu", "post"), ("gelu", "post"), ("silu", "pre"), ("relu", "pre")]
+)
+def test_transformers_computes_our_logits(tmp_path, activation, ln_position):
+    """Marian for post-LN, Pegasus for pre-LN: transformers' forward is ours."""
+    config, model, params = _model(activation=activation, ln_position=ln_position)
+    folder = export.write_hf(params, config, None, tmp_path / "hf")
+    inputs, targets = _batch()
+    ours = np.asarray(model.apply({"params": params}, inputs, targets))
+    theirs = _theirs(folder, inputs, targets)
+    real = targets != 0  # padded target positions are masked differently, and unused
+    # float32 round-off over 2+2 layers of width 16 (epsilon 1.2e-7 times sums of a few
+    # dozen terms, logits of order 10): 1e-4 is two orders above what is seen (~2e-6).
+    np.testing.assert_allclose(theirs[real], ours[real], atol=1e-4, rtol=1e-4)
+    assert np.abs(theirs[real]).max() > 1  # not trivially small
+
+
+def test_what_cannot_map_is_refused_and_nothing_written(tmp_path):
+    for field, value in (
+        ("positional", "learned"),
+        ("attention_pattern", "local:window=4"),
+        ("activation", "tanh"),
+    ):
+        config, _, params = _model()
+        bad = dataclasses.replace(config, **{field: value})
+        with pytest.raises(export.ExportError, match=f"model.{field}="):
+            export.write_hf(params, bad, None, tmp_path / "hf")
+        assert not list(tmp_path.iterdir())
+
+
+def test_main_export_of_a_trained_run_loads_with_transformers_alone(trained_run, tmp_path):
+    """`main export` on the shared :debug run: AutoTokenizer gives our ids, and
+    AutoModelForSeq2SeqLM our logits on the run's own tokens."""
+    from flaxformer_lite.inference.run import Run
+
+    workdir = trained_run[0]
+    out = export.export_workdir(workdir, "hf", tmp_path / "hf")
+    run = Run.open(workdir)
+    params, _ = run.params()
+    texts = ["Guten Morgen!", "Das Haus ist groß.", "Wie spät ist es?"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in texts:
+        assert tokenizer(text).input_ids == run.tokenizer.encode(text).tolist()
+    inputs = np.zeros((3, 20), np.int32)
+    for i, text in enumerate(texts):
+        ids = run.tokenizer.encode(text)
+        inputs[i, : len(ids)] = ids
+    targets = inputs[::-1].copy()
+    ours = np.asarray(run.model().apply({"params": params}, inputs, targets))
+    theirs = _theirs(out, inputs, targets)
+    real = targets != 0
+    # The run's LayerNorm epsilon is ours (1e-6), Marian's 1e-5: each LayerNorm's output
+    # moves by ~(1e-5 - 1e-6) / (2 var) relative, var ~1 here; over 2+1 layers and logits
+    # of order 10, ~1e-4. Bounded at 2e-3.
+    np.testing.assert_allclose(theirs[real], ours[real], atol=2e-3)
+    assert not (out.parent / f"{out.name}.tmp-0").exists()
