@@ -142,8 +142,10 @@ _PATTERN = flags.DEFINE_multi_string(
     ["local:window=8", "topk:k=8"],
     "diagnostics: a sparse pattern whose share of the attention mass to report (repeat).",
 )
-_FORMAT = flags.DEFINE_string("format", "hf", "export: hf (a Hugging Face Marian folder).")
-_OUT = flags.DEFINE_string("out", None, "export: the folder to write (default WORKDIR/export_hf).")
+_FORMAT = flags.DEFINE_string(
+    "format", "hf", "export: hf (transformers), ctranslate2 or ctranslate2-int8."
+)
+_OUT = flags.DEFINE_string("out", None, "export: the folder to write (WORKDIR/export_FORMAT).")
 _TARGET = flags.DEFINE_string(
     "target", None, "attention: the translation to draw (default: the model's own)."
 )

@@ -198,7 +198,7 @@ CASES = [
     (
         "export to an unknown format",
         ["export", "--workdir={tmp}/run", "--format=onnx", "--out={tmp}/onnx"],
-        ["--format='onnx'", "hf"],
+        ["--format='onnx'", "hf, ctranslate2"],
     ),
     (
         "translate a folder with no run",

@@ -110,4 +110,53 @@ def test_main_export_of_a_trained_run_loads_with_transformers_alone(trained_run,
     # moves by ~(1e-5 - 1e-6) / (2 var) relative, var ~1 here; over 2+1 layers and logits
     # of order 10, ~1e-4. Bounded at 2e-3.
     np.testing.assert_allclose(theirs[real], ours[real], atol=2e-3)
-    assert not (out.parent / f"{out.name}.tmp-0").exists()
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    ct2 = export.export_workdir(workdir, "ctranslate2", tmp_path / "ct2")
+    translator = ctranslate2.Translator(str(ct2), device="cpu")
+    log_probs = np.asarray(jax.nn.log_softmax(ours))
+    sp = run.tokenizer.sp
+    for i in range(len(texts)):
+        ids = [int(x) for x in targets[i] if x]
+        source = [sp.id_to_piece(int(x)) for x in inputs[i] if x]
+        got = translator.score_batch([source], [[sp.id_to_piece(x) for x in ids]])[0]
+        # the same epsilon bound as above, on log-probabilities
+        np.testing.assert_allclose(
+            got.log_probs[: len(ids)], log_probs[i, np.arange(len(ids)), ids], atol=2e-3
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ct2", "hf"]
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    """A 60-piece sentencepiece model (the tiny models' vocabulary)."""
+    import random
+
+    from flaxformer_lite.data.tokenizer import train_tokenizer
+
+    rng = random.Random(0)
+    words = ["haus", "baum", "wasser", "hund", "katze", "house", "tree", "water", "dog", "cat"]
+    lines = [" ".join(rng.choice(words) + str(rng.randint(0, 99)) for _ in range(5))]
+    lines += [" ".join(rng.choice(words) + str(rng.randint(0, 99)) for _ in range(5))
+              for _ in range(3000)]  # fmt: skip
+    return train_tokenizer(iter(lines), tmp_path_factory.mktemp("spm") / "t.model", 60)
+
+
+@pytest.mark.parametrize("ln_position", ["post", "pre"])
+def test_ctranslate2_scores_our_log_probabilities(tmp_path, pieces, ln_position):
+    """CTranslate2's converter on the export (Marian: its decoder starts from a zero
+    vector; Pegasus: from pad's embedding; both folded into position 0): its own
+    teacher-forced log-probabilities are ours."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    config, model, params = _model(ln_position=ln_position)
+    out = export.write_ctranslate2(params, config, pieces, tmp_path / "ct2")
+    assert not [p for p in tmp_path.iterdir() if p.name != "ct2"]  # no leftovers
+    translator = ctranslate2.Translator(str(out), device="cpu")
+    inputs, targets = _batch()
+    ours = np.asarray(jax.nn.log_softmax(model.apply({"params": params}, inputs, targets)))
+    for i in range(len(inputs)):
+        source = [pieces.sp.id_to_piece(int(x)) for x in inputs[i] if x]
+        ids = [int(x) for x in targets[i] if x]
+        got = translator.score_batch([source], [[pieces.sp.id_to_piece(x) for x in ids]])[0]
+        want = ours[i, np.arange(len(ids)), ids]
+        # float32 in both, summed in other orders: ~1.5e-6 seen; 1e-4 is the margin
+        np.testing.assert_allclose(got.log_probs[: len(ids)], want, atol=1e-4)

@@ -259,12 +259,13 @@ def write_hf(params, c: ModelConfig, tokenizer: Tokenizer | None, out: str | Pat
     return out
 
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "ctranslate2", "ctranslate2-int8")
 
 
 def export_workdir(workdir: str | Path, fmt: str, out: str | Path | None) -> Path:
     """``main export``: the parameters ``translate`` would use (averaged, else best,
-    else last) written as ``fmt`` to ``out`` (default: ``workdir/export_<fmt>``)."""
+    else last) written as ``fmt`` to ``out`` (default: ``workdir/export_<fmt>``):
+    ``hf`` (transformers), ``ctranslate2`` (float32) or ``ctranslate2-int8``."""
     if fmt not in FORMATS:
         raise ExportError(f"--format={fmt!r}; choose one of {', '.join(FORMATS)}")
     run = Run.open(workdir)
@@ -278,12 +279,90 @@ def export_workdir(workdir: str | Path, fmt: str, out: str | Path | None) -> Pat
         raise ExportError("cannot export to transformers: " + "; ".join(reasons))
     params, kind, step = run.newest_params()
     out = Path(out) if out else Path(workdir) / f"export_{fmt}"
-    write_hf(params, c, run.tokenizer, out)
     name = layout(c)[1]
-    print(f"wrote {out}: the {kind} checkpoint of step {step} as transformers' {name}")
+    if fmt == "hf":
+        write_hf(params, c, run.tokenizer, out)
+        what = f"transformers' {name}"
+    else:
+        quantization = fmt.partition("-")[2]
+        write_ctranslate2(params, c, run.tokenizer, out, quantization)
+        what = f"a CTranslate2 model ({quantization or 'float32'}, from {name})"
+    print(f"wrote {out}: the {kind} checkpoint of step {step} as {what}")
     if c.layer_norm_epsilon != MARIAN_EPSILON:
         print(
             f"note: LayerNorm epsilon {c.layer_norm_epsilon:g} here, {MARIAN_EPSILON:g} in "
             "transformers' Marian (fixed): logits differ by round-off-sized amounts"
         )
+    return out
+
+
+def _ctranslate2_state(params, c: ModelConfig) -> dict[str, np.ndarray]:
+    """The transformers state that CTranslate2's converter turns into our model.
+
+    Two of its rules are closed here. Its decoder starts from a fixed embedding, not
+    from BOS's: a zero vector for Marian (``start_from_zero_embedding``), the pad
+    token's for Pegasus. The first decoder position is the first step and no other,
+    so adding sqrt(d_model) * (BOS's embedding - that start) to row 0 of the decoder's
+    position table makes its first step ours exactly. And for Marian it drops the
+    vocabulary's last row (the pad row transformers appends); an extra row is added
+    for it to drop.
+    """
+    state = hf_state(params, c)
+    table = state["model.shared.weight"]
+    start = np.zeros_like(table[0]) if c.ln_position == "post" else table[PAD_ID]
+    positions = state["model.decoder.embed_positions.weight"].copy()
+    positions[0] += np.float32(np.sqrt(c.d_model)) * (table[BOS_ID] - start)
+    state["model.decoder.embed_positions.weight"] = positions
+    if c.ln_position == "post":
+        wider = np.concatenate([table, np.zeros_like(table[:1])])
+        state["model.shared.weight"] = wider
+        state["final_logits_bias"] = np.zeros((1, len(wider)), np.float32)
+    return state
+
+
+def write_ctranslate2(
+    params, c: ModelConfig, tokenizer: Tokenizer, out: str | Path, quantization: str = ""
+) -> Path:
+    """A CTranslate2 model folder, made by CTranslate2's own converter from a
+    transformers folder of this run (:func:`_ctranslate2_state`); ``quantization``:
+    '' (float32) or one of CTranslate2's (int8, int8_float32, ...)."""
+    from ctranslate2.converters import TransformersConverter
+    from safetensors.numpy import save_file
+
+    reasons = check(c)
+    if reasons:
+        raise ExportError("cannot export to CTranslate2: " + "; ".join(reasons))
+    out = Path(out)
+    hf = out.with_name(f"{out.name}.hf-{os.getpid()}")
+    try:
+        write_hf(params, c, tokenizer, hf)
+        state = _ctranslate2_state(params, c)
+        tied = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+        save_file(
+            {k: v for k, v in state.items() if k not in (*tied, "lm_head.weight")},
+            str(hf / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        config = json.loads((hf / "config.json").read_text())
+        # what CTranslate2's Bart-family converter reads of Pegasus (transformers keeps
+        # unknown fields): the LayerNorm first, none on the embeddings
+        config |= {"normalize_before": c.ln_position == "pre", "normalize_embedding": False}
+        (hf / "config.json").write_text(json.dumps(config, indent=1))
+        if c.ln_position == "post":  # the extra row, named as the converter expects
+            config["vocab_size"] = config["decoder_vocab_size"] = c.vocab_size + 1
+            (hf / "config.json").write_text(json.dumps(config, indent=1))
+            vocab = json.loads((hf / "vocab.json").read_text())
+            vocab = {(k if v != PAD_ID else "<pad_id_0>"): v for k, v in vocab.items()}
+            vocab["<pad>"] = c.vocab_size
+            (hf / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        TransformersConverter(str(hf)).convert(str(tmp), quantization=quantization or None)
+        shutil.copyfile(tokenizer.path, tmp / "sentencepiece.model")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(hf, ignore_errors=True)
+        shutil.rmtree(out.with_name(f"{out.name}.tmp-{os.getpid()}"), ignore_errors=True)
     return out
