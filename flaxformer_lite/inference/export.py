@@ -216,6 +216,18 @@ def _tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
+TIED = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
+
+
+def _save_weights(state: dict[str, np.ndarray], folder: Path) -> None:
+    """``model.safetensors`` of ``state``; the tied copies of the shared table are left
+    out (transformers ties them to ``model.shared.weight`` on loading)."""
+    from safetensors.numpy import save_file
+
+    weights = {k: v for k, v in state.items() if k not in TIED}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def write_hf(params, c: ModelConfig, tokenizer: Tokenizer | None, out: str | Path) -> Path:
     """Write the transformers folder ``out`` (atomically: a half-written folder is never
     left under that name). Raises ExportError naming every option that cannot map."""
@@ -225,20 +237,12 @@ def write_hf(params, c: ModelConfig, tokenizer: Tokenizer | None, out: str | Pat
             "cannot export to transformers: " + "; ".join(reasons) + ". Export a run "
             "trained without them"
         )
-    from safetensors.numpy import save_file
-
     out = Path(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        state = hf_state(params, c)
-        tied = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
-        save_file(
-            {k: v for k, v in state.items() if k not in (*tied, "lm_head.weight")},
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+        _save_weights(hf_state(params, c), tmp)
         (tmp / "config.json").write_text(json.dumps(hf_config(c), indent=1))
         generation = {
             "decoder_start_token_id": BOS_ID,
@@ -327,7 +331,6 @@ def write_ctranslate2(
     transformers folder of this run (:func:`_ctranslate2_state`); ``quantization``:
     '' (float32) or one of CTranslate2's (int8, int8_float32, ...)."""
     from ctranslate2.converters import TransformersConverter
-    from safetensors.numpy import save_file
 
     reasons = check(c)
     if reasons:
@@ -336,13 +339,7 @@ def write_ctranslate2(
     hf = out.with_name(f"{out.name}.hf-{os.getpid()}")
     try:
         write_hf(params, c, tokenizer, hf)
-        state = _ctranslate2_state(params, c)
-        tied = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
-        save_file(
-            {k: v for k, v in state.items() if k not in (*tied, "lm_head.weight")},
-            str(hf / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+        _save_weights(_ctranslate2_state(params, c), hf)
         config = json.loads((hf / "config.json").read_text())
         # what CTranslate2's Bart-family converter reads of Pegasus (transformers keeps
         # unknown fields): the LayerNorm first, none on the embeddings
