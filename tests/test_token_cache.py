@@ -3,6 +3,7 @@ tokenizer) and read back exactly; first-fit packing planned in chunks that resum
 exactly; a cache of another tokenizer, a killed build or an unwritable data_dir is
 never misread."""
 
+import concurrent.futures.process
 import os
 import shutil
 import subprocess
@@ -289,3 +290,52 @@ def test_a_table_reads_stores_as_the_examples_they_hold():
     flat = mixed.gather("targets", np.array([11, 0, 14]))
     want = np.concatenate([exs[1]["targets"], mixed[0]["targets"], exs[4]["targets"]])
     np.testing.assert_array_equal(flat, want)
+
+
+class _Texts:
+    """Picklable rows (the token cache's worker processes read their chunks with it)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, start, stop):
+        return [(f"the house {i}", f"das Haus {i % 7}") for i in range(start, stop)]
+
+
+@pytest.fixture(scope="module")
+def small_spm(tmp_path_factory):
+    model = tmp_path_factory.mktemp("spm") / "t.model"
+    return train_tokenizer(iter(["the house", "das Haus"] * 500 + list("0123456789")), model, 25)
+
+
+def _store(root, tokenizer, workers):
+    return token_store.cached_store(
+        root, "train-x", "k", rows=_Texts(400), count=400, keys=("inputs", "targets"),
+        view=View(), tokenizer=tokenizer, tokenizer_sha="sha", describe={}, workers=workers,
+    )  # fmt: skip
+
+
+def _same_store(a, b):
+    for k in a.keys:
+        np.testing.assert_array_equal(np.asarray(a.ids[k]), np.asarray(b.ids[k]))
+        np.testing.assert_array_equal(np.asarray(a.ends[k]), np.asarray(b.ends[k]))
+
+
+def test_worker_processes_write_what_one_process_writes(tmp_path, monkeypatch, small_spm):
+    monkeypatch.setattr(token_store, "CHUNK", 50)  # 8 chunks over 2 workers
+    serial = _store(tmp_path / "one", small_spm, workers=1)
+    parallel = _store(tmp_path / "two", small_spm, workers=2)
+    _same_store(serial, parallel)
+    assert _ids(parallel.example(123)) == {
+        "inputs": list(small_spm.encode("the house 123")),
+        "targets": list(small_spm.encode("das Haus 4")),
+    }
+
+    # Workers that fail midway (a script without a __main__ guard): the rest is
+    # tokenized in this process, none twice, none skipped.
+    def broken(rows, spans, *args):
+        yield token_store._encode_chunk(rows, *spans[0], *args[:2], small_spm, args[3])
+        raise concurrent.futures.process.BrokenProcessPool("a worker died")
+
+    monkeypatch.setattr(token_store, "_parallel_chunks", broken)
+    _same_store(serial, _store(tmp_path / "three", small_spm, workers=2))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import concurrent.futures.process
 import dataclasses
 import hashlib
 import itertools
@@ -146,7 +147,7 @@ def tokenize_rows(
     columns = [_encode(tokenizer, list(col)) for col in zip(*rows, strict=True)] if rows else []
     if not rows:
         return Store(
-            keys, {k: np.zeros(0, np.int32) for k in keys}, {k: np.zeros(1, np.int64) for k in keys}
+            keys, {k: np.zeros(0, np.int32) for k in keys}, {k: np.zeros(0, np.int64) for k in keys}
         )
     return Store.from_lists(keys, columns)
 
@@ -185,10 +186,21 @@ def _chunks(rows, count, keys, view, tokenizer, dtype, workers):
             pickle.dumps(rows)
         except (pickle.PicklingError, TypeError, AttributeError):
             parallel = False
-    if not parallel:
-        for a, b in spans:
-            yield _encode_chunk(rows, a, b, keys, view, tokenizer, dtype)
-        return
+    done = 0  # spans yielded so far
+    if parallel:
+        try:
+            for chunk in _parallel_chunks(rows, spans, keys, view, tokenizer, dtype, workers):
+                yield chunk
+                done += 1
+        except (RuntimeError, OSError, concurrent.futures.process.BrokenProcessPool) as e:
+            # e.g. a script without `if __name__ == "__main__":`, which spawned workers
+            # run again: the rest in this process
+            print(f"token cache: worker processes failed ({e}); tokenizing in this process")
+    for a, b in spans[done:]:
+        yield _encode_chunk(rows, a, b, keys, view, tokenizer, dtype)
+
+
+def _parallel_chunks(rows, spans, keys, view, tokenizer, dtype, workers):
     # spawn, not fork: the parent may hold JAX's threads
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
