@@ -2,7 +2,9 @@
 our logits; what cannot map is refused before anything is written."""
 
 import dataclasses
+import json
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,45 @@ def test_ctranslate2_scores_our_log_probabilities(tmp_path, pieces, ln_position)
         want = ours[i, np.arange(len(ids)), ids]
         # float32 in both, summed in other orders: ~1.5e-6 seen; 1e-4 is the margin
         np.testing.assert_allclose(got.log_probs[: len(ids)], want, atol=1e-4)
+
+
+@pytest.mark.parametrize("ln_position", ["post", "pre"])
+def test_export_then_import_restores_every_parameter(tmp_path, ln_position):
+    from safetensors.numpy import load_file
+
+    config, _, params = _model(ln_position=ln_position)
+    folder = export.write_hf(params, config, None, tmp_path / "hf")
+    hf_config = json.loads((folder / "config.json").read_text())
+    back = export.params_from_hf(load_file(folder / "model.safetensors"), config)
+    assert export.model_config_from_hf(hf_config) == config
+    want = jax.tree_util.tree_map(np.asarray, flax.linen.meta.unbox(params))
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(want)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, want)  # exact: a permutation
+
+
+@pytest.mark.parametrize("activation", ["swish", "relu"])
+def test_a_locally_created_marian_model_computes_the_same_logits_here(tmp_path, activation):
+    """MarianConfig -> MarianMTModel with random weights (nothing downloaded) -> ours:
+    our forward gives transformers' logits."""
+    hf_config = transformers.MarianConfig(
+        vocab_size=60, d_model=16, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+        decoder_ffn_dim=24, max_position_embeddings=32, activation_function=activation,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=2, scale_embedding=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs_model = transformers.MarianMTModel(hf_config).eval()
+    with torch.no_grad():  # LayerNorms and biases away from 1 and 0 too
+        for p in theirs_model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        theirs_model.final_logits_bias.zero_()
+    theirs_model.save_pretrained(tmp_path / "marian")
+    config = export.model_config_from_hf(json.loads((tmp_path / "marian/config.json").read_text()))
+    state = {k: v.numpy() for k, v in theirs_model.state_dict().items()}
+    params = export.params_from_hf(state, config)
+    inputs, targets = _batch()
+    ours = np.asarray(Transformer(config).apply({"params": params}, inputs, targets))
+    theirs = _theirs(tmp_path / "marian", inputs, targets)
+    real = targets != 0
+    # float32 round-off, as in the export direction (~3e-6 seen there)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
