@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.inference import export
+from flaxformer_lite.inference import export, hf_import
 from flaxformer_lite.model.transformer import Transformer
 
 torch = pytest.importorskip("torch")
@@ -171,8 +171,8 @@ def test_export_then_import_restores_every_parameter(tmp_path, ln_position):
     config, _, params = _model(ln_position=ln_position)
     folder = export.write_hf(params, config, None, tmp_path / "hf")
     hf_config = json.loads((folder / "config.json").read_text())
-    back = export.params_from_hf(load_file(folder / "model.safetensors"), config)
-    assert export.model_config_from_hf(hf_config) == config
+    back = hf_import.params_from_hf(load_file(folder / "model.safetensors"), config)
+    assert hf_import.model_config_from_hf(hf_config) == config
     want = jax.tree_util.tree_map(np.asarray, flax.linen.meta.unbox(params))
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(want)
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, want)  # exact: a permutation
@@ -195,9 +195,10 @@ def test_a_locally_created_marian_model_computes_the_same_logits_here(tmp_path, 
             p.add_(0.3 * torch.randn_like(p))
         theirs_model.final_logits_bias.zero_()
     theirs_model.save_pretrained(tmp_path / "marian")
-    config = export.model_config_from_hf(json.loads((tmp_path / "marian/config.json").read_text()))
+    written = json.loads((tmp_path / "marian" / "config.json").read_text())
+    config = hf_import.model_config_from_hf(written)
     state = {k: v.numpy() for k, v in theirs_model.state_dict().items()}
-    params = export.params_from_hf(state, config)
+    params = hf_import.params_from_hf(state, config)
     inputs, targets = _batch()
     ours = np.asarray(Transformer(config).apply({"params": params}, inputs, targets))
     theirs = _theirs(tmp_path / "marian", inputs, targets)
