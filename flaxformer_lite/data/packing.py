@@ -4,9 +4,10 @@ Several sentence pairs share a row of ``max_length`` tokens, told apart by
 ``*_segment_ids`` (1, 2, ...; 0 = padding) and restarted ``*_positions``; the model's
 segment masks keep them apart, so a packed batch computes exactly what the same pairs
 padded one per row would (tests/test_data_pipeline.py). Every packed example holds at
-least two tokens (a piece and its EOS: :func:`~flaxformer_lite.data.pipeline.tokenize_pairs`
-skips empty texts), so a row of n tokens holds at most n/2 examples, the bound cuDNN's
-packed layout is given (model/kernels.py).
+least two tokens (a piece and its EOS: :func:`~flaxformer_lite.data.assembly.examples_of`
+and :func:`~flaxformer_lite.data.pipeline.tokenize_pairs` skip empty texts), so a row of
+n tokens holds at most n/2 examples, the bound cuDNN's packed layout is given
+(model/kernels.py).
 
 A batch is a dict of int32 numpy arrays ``[batch, max_length]``: ``inputs``,
 ``targets`` and, when packed, ``inputs_segment_ids``, ``inputs_positions``,

@@ -4,11 +4,12 @@ Training batches are packed by :mod:`~flaxformer_lite.data.packing` (several
 sentence pairs share a row of ``max_length`` tokens, told apart by segment ids);
 evaluation batches are padded one pair per row (:func:`eval_batches`).
 
-Every text is tokenized once, when the pipeline is built (a few seconds); the
-per-step work is index lookups and first-fit packing in a prefetch thread, so
-the training step never waits on data (benchmarks/train_step.py prints the
-real/synthetic step-time ratio). The texts come from
-:mod:`~flaxformer_lite.data.sources`, a run's examples from
+The training splits are tokenized once per corpus and tokenizer into the token cache
+(:mod:`~flaxformer_lite.data.token_store`); the functions here tokenize small splits
+in memory (validation, running text, subword samples). The per-step work is index
+lookups and first-fit packing in a prefetch thread, so the training step never waits
+on data (benchmarks/train_step.py prints the real/synthetic step-time ratio). The
+texts come from :mod:`~flaxformer_lite.data.sources`, a run's examples from
 :mod:`~flaxformer_lite.data.assembly`.
 
 A batch is a dict of int32 numpy arrays ``[batch, max_length]``: ``inputs``,
@@ -16,8 +17,8 @@ A batch is a dict of int32 numpy arrays ``[batch, max_length]``: ``inputs``,
 ``targets_segment_ids``, ``targets_positions``.
 
 Resuming: the training iterator's position is a small JSON state
-(``iterator.get_state()``) stored with each checkpoint; restoring it replays
-the same data order.
+(``iterator.get_state()``: epoch, chunk, batch) stored with each checkpoint;
+restoring it replays the same data order.
 """
 
 from __future__ import annotations
