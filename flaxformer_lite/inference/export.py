@@ -228,9 +228,12 @@ def _save_weights(state: dict[str, np.ndarray], folder: Path) -> None:
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_hf(params, c: ModelConfig, tokenizer: Tokenizer | None, out: str | Path) -> Path:
+def write_hf(
+    params, c: ModelConfig, tokenizer: Tokenizer | None, out: str | Path, state=None
+) -> Path:
     """Write the transformers folder ``out`` (atomically: a half-written folder is never
-    left under that name). Raises ExportError naming every option that cannot map."""
+    left under that name); ``state``: weights to write instead of :func:`hf_state`'s.
+    Raises ExportError naming every option that cannot map."""
     reasons = check(c)
     if reasons:
         raise ExportError(
@@ -242,7 +245,7 @@ def write_hf(params, c: ModelConfig, tokenizer: Tokenizer | None, out: str | Pat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _save_weights(hf_state(params, c), tmp)
+        _save_weights(hf_state(params, c) if state is None else state, tmp)
         (tmp / "config.json").write_text(json.dumps(hf_config(c), indent=1))
         generation = {
             "decoder_start_token_id": BOS_ID,
@@ -338,8 +341,7 @@ def write_ctranslate2(
     out = Path(out)
     hf = out.with_name(f"{out.name}.hf-{os.getpid()}")
     try:
-        write_hf(params, c, tokenizer, hf)
-        _save_weights(_ctranslate2_state(params, c), hf)
+        write_hf(params, c, tokenizer, hf, state=_ctranslate2_state(params, c))
         config = json.loads((hf / "config.json").read_text())
         # what CTranslate2's Bart-family converter reads of Pegasus (transformers keeps
         # unknown fields): the LayerNorm first, none on the embeddings
