@@ -2,6 +2,8 @@
 
   python -m flaxformer_lite.main --config=configs/ende_small.py --workdir=runs/x \\
       [--config.model.num_heads=4 ...]
+  python -m flaxformer_lite.main import --config=configs/ende_small.py --workdir=runs/opus \\
+      --config.train.init_from=hf:opus-mt-en-de
   python -m flaxformer_lite.main average --workdir=runs/x --num=5
   python -m flaxformer_lite.main translate --workdir=runs/x "Where is the station?"
   python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
@@ -15,7 +17,9 @@
 
 ``train`` (the default command) trains or resumes (SIGTERM or Ctrl-C: it saves a
 checkpoint after the current step and prints the command that resumes; Ctrl-C
-twice stops at once); ``average`` writes the mean
+twice stops at once); ``import`` builds a run from a transformers Marian / OPUS-MT
+model (``train.init_from``) and saves it as step 0, to translate, evaluate or
+fine-tune; ``export`` writes a run for transformers or CTranslate2; ``average`` writes the mean
 of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20) from the
 run's late ``--window``;
 ``translate`` translates its arguments, ``--input`` or standard input;
@@ -168,7 +172,7 @@ class Command:
     workdir: bool = True  # needs --workdir
 
 
-def _train(texts: list[str]) -> None:
+def _train(texts: list[str], import_only: bool = False) -> None:
     if _CONFIG.value is None:
         _fail("--config is required, e.g. --config=configs/ende_small.py")
     from flaxformer_lite.training import distributed
@@ -181,7 +185,7 @@ def _train(texts: list[str]) -> None:
         auto=_DISTRIBUTED.value,
         heartbeat_timeout=_HEARTBEAT.value,
     )
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value, import_only=import_only)
 
 
 def _average(texts: list[str]) -> None:
@@ -227,21 +231,11 @@ def _attention(texts: list[str]) -> None:
 
 
 def _diagnostics(texts: list[str]) -> None:
-    from collections import Counter
-    from pathlib import Path
+    from flaxformer_lite.inference import streaming
 
-    from flaxformer_lite.inference import diagnostics, streaming
-    from flaxformer_lite.inference.translate import Translator
-
-    lines = streaming.read_lines(list(texts), _INPUT.value, "texts", Counter())
-    texts = [t for t in lines if t.strip()]
-    translator = Translator.from_workdir(_WORKDIR.value)
-    stats = diagnostics.run_stats(translator, texts, _PATTERN.value, **_decode_options())
-    output = Path(_OUTPUT.value or Path(_WORKDIR.value) / "diagnostics" / "attention_stats")
-    title = f"{_WORKDIR.value}: attention statistics over {len(texts)} text(s)"
-    diagnostics.write_report(stats, output, title)
-    print(diagnostics.table(stats))
-    print(f"wrote {output}.md, .json and .png")
+    streaming.diagnostics_main(
+        _WORKDIR.value, texts, _INPUT.value, _PATTERN.value, _OUTPUT.value, **_decode_options()
+    )
 
 
 def _evaluate(texts: list[str]) -> None:
@@ -268,6 +262,7 @@ def _decode_options() -> dict:
 
 COMMANDS = {
     "train": Command(_train, ("config", *PROCESSES)),
+    "import": Command(lambda texts: _train(texts, import_only=True), ("config",)),
     "average": Command(_average, ("num", "window", "validate")),
     "translate": Command(_translate, ("input", "ensemble", *DECODE), texts=True),
     "export": Command(_export, ("format", "out")),

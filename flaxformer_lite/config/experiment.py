@@ -259,6 +259,10 @@ class TrainConfig(Section):
         "random", "start of the token embeddings: random, or PPMI co-occurrence vectors",
         choices=EMBEDDING_INITS,
     )  # fmt: skip
+    init_from: str = option(
+        "", "start from a transformers Marian / OPUS-MT model: hf:DIR (its architecture, "
+        "weights and tokenizer; the model fields it sets override the config's)",
+    )  # fmt: skip
     embedding_init_splits: tuple = option(
         (), "splits the PPMI vectors are counted on ('' = data.train_splits)",
         parse=_optional_splits, unparse=format_splits,

@@ -100,6 +100,9 @@ class ModelConfig(Section):
     activation: str = option("relu", "FFN activation (paper: max(0, .))", choices=ACTIVATIONS)
     use_bias: bool = option(True, "biases in the attention projections")
     layer_norm_epsilon: float = option(1e-6, "LayerNorm epsilon", rule=POSITIVE)
+    logits_bias: bool = option(
+        False, "a learned bias on the output logits (Marian / OPUS-MT models have one)"
+    )
     # A lexical shortcut to the softmax (Nguyen & Chiang 2018): one attention head from
     # the decoder's output over the encoder output reads the *source token embeddings*,
     # and a linear map of that (zero at the start) is added to the decoder output before

@@ -262,6 +262,16 @@ def check_train(t: Any) -> None:
         parse_mesh(t.mesh)
     except MeshError as e:
         raise ConfigError(str(e)) from None
+    if t.init_from and (not t.init_from.startswith("hf:") or t.init_from == "hf:"):
+        raise ConfigError(
+            f"config.train.init_from={t.init_from!r}: write hf:DIR, DIR a transformers "
+            "Marian / OPUS-MT folder (e.g. hf:opus-mt-en-de)"
+        )
+    if t.init_from and t.embedding_init != "random":
+        raise ConfigError(
+            f"config.train.init_from and embedding_init={t.embedding_init!r} both set the "
+            "embeddings; drop one"
+        )
     if t.batch_size % t.microbatches:
         raise ConfigError(
             f"config.train.microbatches={t.microbatches} must divide "
@@ -339,6 +349,12 @@ def check_experiment(e: Any) -> None:
                 f"config.train.embedding_init={t.embedding_init!r} counts words of text "
                 f"pairs; data.task={d.task!r} has none: use embedding_init=random"
             )
+    if t.init_from and (d.task != "translation" or d.tokenizer):
+        raise ConfigError(
+            f"config.train.init_from={t.init_from!r} brings a translation model and its "
+            f"tokenizer; it needs data.task='translation' (it is {d.task!r}) and no "
+            f"data.tokenizer (it is {d.tokenizer!r})"
+        )
     if d.task == "classify" and m.num_encoder_layers == 0:
         raise ConfigError(
             "config.data.task='classify' runs an encoder: set model.num_encoder_layers >= 1"

@@ -377,7 +377,9 @@ def ppmi_table(config: ExperimentConfig, tokenizer: Tokenizer) -> np.ndarray:
     for name, limit in t.embedding_init_splits or d.train_splits:
         texts = sources.load_texts(d.dataset, name, columns, d.data_dir)
         texts = sources.fixed_subset(texts, limit)
-        pieces = [tokenizer.sp.encode(list(column)) for column in zip(*texts, strict=True)]
+        pieces = [
+            tokenizer.side(i).ids(list(column)) for i, column in enumerate(zip(*texts, strict=True))
+        ]
         documents += [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
     vocab, dim = config.model.vocab_size, config.model.d_model
     table, covered = cooccurrence.ppmi_embeddings(documents, vocab, dim, seed=t.seed)

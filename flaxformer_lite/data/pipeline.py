@@ -63,7 +63,7 @@ def tokenize_pairs(
         if not all(t.strip() for t in texts):
             empty += 1
             continue
-        ids = [tokenizer.encode(t) for t in texts]
+        ids = [tokenizer.side(i).encode(t) for i, t in enumerate(texts)]
         if max(len(x) for x in ids) > max_length:
             if too_long == "drop":
                 long_dropped += 1
@@ -128,14 +128,11 @@ class SubwordSampler:
         spm.set_random_generator_seed(
             int(np.random.default_rng([self.seed, epoch]).integers(2**31))
         )
-        sp, out = self.tokenizer.sp, []
+        out, sides = [], [self.tokenizer.side(i) for i in range(2)]
         for texts, example in zip(self.texts, self.examples, strict=True):
             ids = [
-                np.asarray(
-                    sp.encode(t, enable_sampling=True, alpha=self.alpha, nbest_size=-1) + [EOS_ID],
-                    np.int32,
-                )
-                for t in texts
+                np.asarray(sides[i].ids([t], self.alpha)[0] + [EOS_ID], np.int32)
+                for i, t in enumerate(texts)
             ]
             if max(len(x) for x in ids) > self.max_length:
                 out.append(example)

@@ -130,10 +130,11 @@ class Store:
         return cls(keys, ids, ends)
 
 
-def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
-    ids = tokenizer.sp.encode(texts) if hasattr(tokenizer, "sp") else None
-    if ids is None:  # a stand-in tokenizer (tests): its own encode, EOS included
+def _encode(tokenizer: Tokenizer, texts: list[str], column: int = 0) -> list[list[int]]:
+    """Ids (+EOS) of ``texts``, the ``column``-th feature (0: source, 1: target)."""
+    if not hasattr(tokenizer, "ids"):  # a stand-in tokenizer (tests): its own encode
         return [list(map(int, tokenizer.encode(t))) for t in texts]
+    ids = tokenizer.side(column).ids(texts)
     for x in ids:
         x.append(EOS_ID)
     return ids
@@ -144,7 +145,7 @@ def tokenize_rows(
 ) -> Store:
     """An in-memory store of ``rows`` (a text per key), for small splits and tests."""
     rows = list(rows)
-    columns = [_encode(tokenizer, list(col)) for col in zip(*rows, strict=True)] if rows else []
+    columns = [_encode(tokenizer, list(c), i) for i, c in enumerate(zip(*rows, strict=True))]
     if not rows:
         return Store(
             keys, {k: np.zeros(0, np.int32) for k in keys}, {k: np.zeros(0, np.int64) for k in keys}
@@ -156,8 +157,8 @@ def _encode_chunk(rows, start, stop, keys, view, tokenizer, dtype) -> list[tuple
     """(flat ids, lengths) per key of rows ``start:stop``."""
     texts = [view.apply(r) for r in rows(start, stop)]
     out = []
-    for column in zip(*texts, strict=True):
-        encoded = _encode(tokenizer, list(column))
+    for i, column in enumerate(zip(*texts, strict=True)):
+        encoded = _encode(tokenizer, list(column), i)
         lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
         flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype, lengths.sum())
         out.append((flat, lengths))

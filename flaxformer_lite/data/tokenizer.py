@@ -1,14 +1,24 @@
-"""A joint sentencepiece vocabulary for source and target, trained on train data only.
+"""A joint sentencepiece vocabulary for source and target, trained on train data only;
+or, for a model imported from Marian / OPUS-MT, its pair of sentencepiece models over
+one shared vocabulary (:class:`PairTokenizer`).
 
 Ids: pad 0, EOS 1, BOS 2, unknown 3 (``ModelConfig`` uses the same pad/eos/bos).
 The model lives in the workdir (``tokenizer.model``) and is reused on resume,
-so a run never silently changes its vocabulary.
+so a run never silently changes its vocabulary. A pair is stored under the same
+name as a zip archive (its two models and its pieces), so every reader of the
+workdir's tokenizer gets it through :meth:`Tokenizer.load`.
+
+Code that knows which column it encodes asks ``tokenizer.side(i)`` (0: source,
+1: target); a joint tokenizer is both of its sides.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
+import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -21,6 +31,8 @@ MODEL_NAME = "tokenizer.model"
 
 class Tokenizer:
     """Thin wrapper: ``encode`` to int32 ids (+EOS), ``decode`` back to text."""
+
+    unk_id = UNK_ID
 
     def __init__(self, processor: spm.SentencePieceProcessor, path: Path | None = None):
         self.sp = processor
@@ -45,6 +57,24 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], add_eos: bool = True) -> list[np.ndarray]:
         return [self.encode(t, add_eos) for t in texts]
 
+    def ids(self, texts: list[str], alpha: float = 0.0) -> list[list[int]]:
+        """Piece ids of each text, no EOS (``alpha`` > 0: a sampled segmentation)."""
+        if alpha:
+            return [
+                self.sp.encode(t, enable_sampling=True, alpha=alpha, nbest_size=-1) for t in texts
+            ]
+        return self.sp.encode(texts)
+
+    def side(self, column: int) -> Tokenizer:
+        """The tokenizer of column ``column`` (0 source, 1 target): itself."""
+        return self
+
+    def id_to_piece(self, i: int) -> str:
+        return self.sp.id_to_piece(int(i))
+
+    def piece_to_id(self, piece: str) -> int:
+        return self.sp.piece_to_id(piece)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ids up to the first EOS; pad/BOS are skipped."""
         out = []
@@ -58,9 +88,12 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
+        """A sentencepiece model, or a :class:`PairTokenizer` archive."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no sentencepiece model at {path}")
+        if zipfile.is_zipfile(path):
+            return PairTokenizer.load(path)
         sp = spm.SentencePieceProcessor()
         try:
             sp.load(str(path))
@@ -142,7 +175,7 @@ def load_or_train(
 
 def _check_symbols(tokenizer: Tokenizer, symbols: tuple[str, ...], fix: str) -> None:
     for symbol in symbols:
-        if tokenizer.sp.piece_to_id(symbol) == UNK_ID:
+        if tokenizer.piece_to_id(symbol) == tokenizer.unk_id:
             raise ValueError(
                 f"{tokenizer.path} has no piece for the tag {symbol!r}; it was trained "
                 f"without it. {fix}"
@@ -179,3 +212,107 @@ def _adopt(given: Path, path: Path, vocab_size: int, symbols: tuple[str, ...]) -
         tmp.write_bytes(data)
         os.replace(tmp, path)  # never a half-written model
     return Tokenizer.load(path)
+
+
+LANGUAGE_CODE = re.compile(r">>[^<>]+<<")  # a multilingual model's target tag, e.g. >>fra<<
+
+
+class PairTokenizer(Tokenizer):
+    """Marian's tokenizer (OPUS-MT): a source and a target sentencepiece model whose
+    pieces index one shared vocabulary, renumbered so that pad is 0 and EOS 1 as in
+    every model here (``pieces[i]`` is our id i's piece). Encoding is the source
+    side's (a leading ``>>xx<<`` language code is one piece, as MarianTokenizer
+    splits it), decoding the target side's; ``side(1)`` encodes targets."""
+
+    def __init__(self, source: bytes, target: bytes, pieces: list[str], unk_id: int,
+                 path: Path | None = None, column: int = 0):  # fmt: skip
+        self.path, self.pieces, self.unk_id, self.column = path, pieces, unk_id, column
+        self._models = (source, target)
+        self._index = {p: i for i, p in enumerate(pieces)}
+        self.sp = _processor(source if column == 0 else target)
+        self._sides: dict[int, PairTokenizer] = {column: self}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def side(self, column: int) -> PairTokenizer:
+        column = min(column, 1)
+        if column not in self._sides:
+            other = PairTokenizer(*self._models, self.pieces, self.unk_id, self.path, column)
+            other._sides = self._sides
+            self._sides[column] = other
+        return self._sides[column]
+
+    def ids(self, texts: list[str], alpha: float = 0.0) -> list[list[int]]:
+        out = []
+        for text in texts:
+            code = LANGUAGE_CODE.match(text) if text.startswith(">>") else None
+            if code:
+                text = text[code.end() :]
+            sampling = {"enable_sampling": True, "alpha": alpha, "nbest_size": -1} if alpha else {}
+            # pieces as strings: an unknown character is its own text, which the shared
+            # vocabulary may hold (from the other side's model), as MarianTokenizer reads it
+            found = self.sp.encode(text, out_type=str, **sampling)
+            index, unk = self._index, self.unk_id
+            out.append([index.get(p, unk) for p in ([code.group(0)] if code else []) + found])
+        return out
+
+    def encode(self, text: str, add_eos: bool = True) -> np.ndarray:
+        ids = self.ids([text])[0]
+        if add_eos:
+            ids.append(EOS_ID)
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The target side's text of ids up to the first EOS (special pieces skipped)."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i != PAD_ID and i != self.unk_id and 0 <= i < len(self.pieces):
+                out.append(self.pieces[i])
+        return "".join(out).replace("\u2581", " ").strip()
+
+    def id_to_piece(self, i: int) -> str:
+        return self.pieces[int(i)]
+
+    def piece_to_id(self, piece: str) -> int:
+        return self._index.get(piece, self.unk_id)
+
+    def to_bytes(self) -> bytes:
+        """The archive stored as the workdir's ``tokenizer.model`` (deterministic bytes)."""
+        buffer = io.BytesIO()
+        meta = {"kind": "marian pair", "unk_id": self.unk_id, "pieces": self.pieces}
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+            for name, data in (
+                ("source.spm", self._models[0]),
+                ("target.spm", self._models[1]),
+                ("pieces.json", json.dumps(meta, ensure_ascii=False).encode()),
+            ):
+                z.writestr(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), data)
+        return buffer.getvalue()
+
+    def source_model(self) -> bytes:
+        return self._models[0]
+
+    def target_model(self) -> bytes:
+        return self._models[1]
+
+    @classmethod
+    def load(cls, path: str | Path) -> PairTokenizer:
+        path = Path(path)
+        try:
+            with zipfile.ZipFile(path) as z:
+                meta = json.loads(z.read("pieces.json"))
+                source, target = z.read("source.spm"), z.read("target.spm")
+        except (KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{path} is not a valid pair tokenizer ({e}); import it again") from e
+        return cls(source, target, meta["pieces"], meta["unk_id"], path)
+
+
+def _processor(model: bytes) -> spm.SentencePieceProcessor:
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(model)
+    return sp

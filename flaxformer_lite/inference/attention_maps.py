@@ -69,7 +69,7 @@ class AttentionMaps:
 def _pieces(tokenizer, ids) -> list[str]:
     out = []
     for i in np.asarray(ids).tolist():
-        out.append(EOS_PIECE if i == 1 else tokenizer.sp.id_to_piece(int(i)))
+        out.append(EOS_PIECE if i == 1 else tokenizer.id_to_piece(int(i)))
     return out
 
 
@@ -111,7 +111,7 @@ def attention_maps(
     else:
         options = {k: v for k, v in decode_options.items() if v is not None}
         output = target.strip() if target else translator.translate([text], **options)[0]
-        targets = tokenizer.encode(output)[: config.max_len]
+        targets = tokenizer.side(1).encode(output)[: config.max_len]
         _, state = jax.jit(
             lambda p, s, t: model.apply({"params": p}, s, t, mutable=["intermediates"])
         )(params, jnp.asarray(ids)[None], jnp.asarray(targets)[None])

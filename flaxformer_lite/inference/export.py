@@ -21,7 +21,8 @@ each is closed:
   input variance (parity tests: tests/test_export.py).
 - **Special ids.** Ours: pad 0, EOS 1, BOS 2 (decoding starts from BOS), unknown 3.
   The config names them (``pad_token_id=0``, ``eos_token_id=1``,
-  ``decoder_start_token_id=2``), so ``generate`` starts where ours does.
+  ``decoder_start_token_id=2``), so ``generate`` starts where ours does (an
+  imported Marian model starts from its pad row, ``model.bos_id=0``, as it did).
 
 What does not map is refused before anything is written (:func:`check`).
 """
@@ -37,7 +38,7 @@ import numpy as np
 from flax import linen as nn
 
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, PairTokenizer, Tokenizer
 from flaxformer_lite.inference.run import Run
 
 MARIAN_EPSILON = 1e-5
@@ -119,8 +120,8 @@ def hf_config(c: ModelConfig) -> dict:
         "activation_dropout": c.ffn_dropout,
         "pad_token_id": PAD_ID,
         "eos_token_id": EOS_ID,
-        "bos_token_id": BOS_ID,
-        "decoder_start_token_id": BOS_ID,
+        "bos_token_id": c.bos_id,
+        "decoder_start_token_id": c.bos_id,
         "forced_eos_token_id": EOS_ID,
         "is_encoder_decoder": True,
     }
@@ -169,8 +170,9 @@ def hf_state(params, c: ModelConfig) -> dict[str, np.ndarray]:
 
     table = arr(params["shared_embedding"]["embedding"])[:, p]
     positions = _positions(c.max_len, c.d_model).astype(np.float32)
+    logits_bias = params["decoder"].get("logits_bias")
     state = {
-        "final_logits_bias": np.zeros((1, c.vocab_size), np.float32),
+        "final_logits_bias": bias(logits_bias, c.vocab_size)[None, :],
         "model.shared.weight": table,
         "model.encoder.embed_tokens.weight": table,
         "model.decoder.embed_tokens.weight": table,
@@ -198,18 +200,26 @@ def hf_state(params, c: ModelConfig) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in state.items()}
 
 
+def _spm_files(tokenizer: Tokenizer, out: Path) -> None:
+    """``source.spm`` and ``target.spm``: a joint model twice, or a pair's two."""
+    if isinstance(tokenizer, PairTokenizer):
+        (out / "source.spm").write_bytes(tokenizer.source_model())
+        (out / "target.spm").write_bytes(tokenizer.target_model())
+    else:
+        for name in ("source.spm", "target.spm"):
+            shutil.copyfile(tokenizer.path, out / name)
+
+
 def _tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
-    """MarianTokenizer's files: one joint sentencepiece model as both sides, its
-    pieces as the shared vocabulary (ids unchanged)."""
-    for name in ("source.spm", "target.spm"):
-        shutil.copyfile(tokenizer.path, out / name)
-    sp = tokenizer.sp
-    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    """MarianTokenizer's files: one joint sentencepiece model as both sides (or an
+    imported pair's two), the pieces as the shared vocabulary (ids unchanged)."""
+    _spm_files(tokenizer, out)
+    vocab = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     specials = {
-        "eos_token": sp.id_to_piece(EOS_ID),
-        "unk_token": sp.id_to_piece(UNK_ID),
-        "pad_token": sp.id_to_piece(PAD_ID),
+        "eos_token": tokenizer.id_to_piece(EOS_ID),
+        "unk_token": tokenizer.id_to_piece(tokenizer.unk_id),
+        "pad_token": tokenizer.id_to_piece(PAD_ID),
     }
     (out / "special_tokens_map.json").write_text(json.dumps(specials))
     config = {"tokenizer_class": "MarianTokenizer", "model_max_length": 512, **specials}
@@ -248,7 +258,7 @@ def write_hf(
         _save_weights(hf_state(params, c) if state is None else state, tmp)
         (tmp / "config.json").write_text(json.dumps(hf_config(c), indent=1))
         generation = {
-            "decoder_start_token_id": BOS_ID,
+            "decoder_start_token_id": c.bos_id,
             "eos_token_id": EOS_ID,
             "pad_token_id": PAD_ID,
             "forced_eos_token_id": EOS_ID,
@@ -318,12 +328,13 @@ def _ctranslate2_state(params, c: ModelConfig) -> dict[str, np.ndarray]:
     table = state["model.shared.weight"]
     start = np.zeros_like(table[0]) if c.ln_position == "post" else table[PAD_ID]
     positions = state["model.decoder.embed_positions.weight"].copy()
-    positions[0] += np.float32(np.sqrt(c.d_model)) * (table[BOS_ID] - start)
+    positions[0] += np.float32(np.sqrt(c.d_model)) * (table[c.bos_id] - start)
     state["model.decoder.embed_positions.weight"] = positions
     if c.ln_position == "post":
         wider = np.concatenate([table, np.zeros_like(table[:1])])
         state["model.shared.weight"] = wider
-        state["final_logits_bias"] = np.zeros((1, len(wider)), np.float32)
+        bias = state["final_logits_bias"]
+        state["final_logits_bias"] = np.concatenate([bias, np.zeros_like(bias[:, :1])], axis=1)
     return state
 
 
@@ -357,7 +368,10 @@ def write_ctranslate2(
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         TransformersConverter(str(hf)).convert(str(tmp), quantization=quantization or None)
-        shutil.copyfile(tokenizer.path, tmp / "sentencepiece.model")
+        if isinstance(tokenizer, PairTokenizer):  # its pieces are the model's tokens
+            _spm_files(tokenizer, tmp)
+        else:
+            shutil.copyfile(tokenizer.path, tmp / "sentencepiece.model")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

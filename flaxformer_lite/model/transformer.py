@@ -296,7 +296,11 @@ class Decoder(nn.Module):
                 name="logits",
             )(x)
             logits = P.constrain(logits, P.BATCH, P.LENGTH, P.ACT_VOCAB)
-        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        if c.logits_bias:
+            init = P.param_init(nn.initializers.zeros_init(), P.VOCAB)
+            logits = logits + self.param("logits_bias", init, (c.vocab_size,), c.parameter_dtype)
+        return logits
 
     def _decode_positions(self, tokens: Array, positions: Array | None) -> Array:
         """Positions of this decoding step, counted in the cache unless given."""

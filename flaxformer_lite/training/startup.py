@@ -9,16 +9,21 @@ workdir this command created is removed, and the same command starts afresh.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.mesh import MeshError
 from flaxformer_lite.data import assembly, packing, pipeline
-from flaxformer_lite.data.tokenizer import Tokenizer
+from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
+from flaxformer_lite.inference import hf_import
+from flaxformer_lite.inference.export import ExportError
 from flaxformer_lite.model.partitioning import check_model
 from flaxformer_lite.training import distributed, preemption
 from flaxformer_lite.training.parallel import Parallel
@@ -189,3 +194,74 @@ def ppmi_embedding_params(config, tokenizer: Tokenizer, params):
     params = jax.tree_util.tree_map_with_path(replace, params)
     print(f"embeddings: PPMI vectors in {', '.join(replaced) or 'no table'}")
     return params
+
+
+def _imported(config: ExperimentConfig) -> hf_import.Imported:
+    where = config.train.init_from.removeprefix("hf:")
+    try:
+        return hf_import.read_marian(where)
+    except (ExportError, OSError) as e:
+        raise TrainingError(f"train.init_from={config.train.init_from}: {e}") from None
+
+
+def with_imported_model(config: ExperimentConfig) -> ExperimentConfig:
+    """``config`` with the model fields of ``train.init_from``'s model (architecture,
+    special ids, epsilon, logits bias); the config's other fields (dropout, attention
+    pattern, precision, ...) stay, so every ablation runs on the imported weights."""
+    if not config.train.init_from:
+        return config
+    imported = _imported(config).config
+    fields = {name: getattr(imported, name) for name in hf_import.IMPORTED_FIELDS}
+    changed = [f"{k}={v!r}" for k, v in fields.items() if getattr(config.model, k) != v]
+    if changed:
+        print(f"model: from {config.train.init_from}: {', '.join(changed)}")
+    return dataclasses.replace(config, model=config.model.replace(**fields))
+
+
+def write_imported_tokenizer(config: ExperimentConfig, workdir: Path) -> None:
+    """The imported model's tokenizer as the run's (written once, atomically)."""
+    if not config.train.init_from or jax.process_index() != 0:
+        return
+    tokenizer = _imported(config).tokenizer
+    if tokenizer is None:
+        raise TrainingError(
+            f"train.init_from={config.train.init_from}: the folder has no tokenizer "
+            "(source.spm, target.spm, vocab.json); save the model with its MarianTokenizer"
+        )
+    data, path = tokenizer.to_bytes(), workdir / MODEL_NAME
+    if path.exists():
+        if path.read_bytes() != data:
+            raise TrainingError(
+                f"{path} is not the tokenizer of {config.train.init_from}; use a new --workdir"
+            )
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def imported_params(config: ExperimentConfig, params):
+    """``params`` replaced by ``train.init_from``'s (same tree, shapes and dtypes)."""
+    new = _imported(config).params
+    flat_new = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(new)}
+    flat_old = jax.tree_util.tree_leaves_with_path(params)
+    missing = sorted({jax.tree_util.keystr(p) for p, _ in flat_old} - set(flat_new))
+    extra = sorted(set(flat_new) - {jax.tree_util.keystr(p) for p, _ in flat_old})
+    if missing or extra:
+        raise TrainingError(
+            f"train.init_from={config.train.init_from} does not fit this model: "
+            + (f"it has no {missing[0]}" if missing else f"this model has no {extra[0]}")
+            + " (a model option that adds or drops parameters; leave it at its default)"
+        )
+
+    def replace(path, leaf):
+        value = np.asarray(flat_new[jax.tree_util.keystr(path)])
+        if value.shape != leaf.shape:
+            raise TrainingError(
+                f"train.init_from: {jax.tree_util.keystr(path)} is {value.shape} there, "
+                f"{leaf.shape} here"
+            )
+        return jnp.asarray(value, leaf.dtype)
+
+    print(f"model: parameters from {config.train.init_from}")
+    return jax.tree_util.tree_map_with_path(replace, params)

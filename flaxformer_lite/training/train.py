@@ -51,8 +51,13 @@ def _evaluate(p_eval, par: Parallel, state, batches) -> dict[str, float]:
     return {k: float(v) for k, v in losses.summarize(jax.device_get(total)).items()}
 
 
-def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
+def train_and_evaluate(
+    config, workdir: str | Path, *, import_only: bool = False
+) -> dict[str, float]:
     """Train ``config`` in ``workdir`` (resuming if it holds a checkpoint).
+
+    ``import_only`` (``main import``): build the run of ``train.init_from``'s model,
+    save it as the checkpoint of step 0 and report its validation scores, no step.
 
     Returns the final validation metrics (loss, nll, perplexity, accuracy, and bleu
     where measured) with ``step`` (the step the run stopped at), ``trained_steps``
@@ -66,11 +71,14 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
     created = not workdir.exists() and jax.process_index() == 0
     try:
         config = ExperimentConfig.from_config(config)  # checked before any data is read
+        if import_only and not config.train.init_from:
+            raise TrainingError("import needs --config.train.init_from=hf:DIR")
+        config = startup.with_imported_model(config)
         config.model.check_precision()  # float64 needs x64 on
         wall_start = time.perf_counter()
         startup.check_workdir(config, workdir)
         with WorkdirLock(workdir, enabled=jax.process_index() == 0):
-            return _train(config, workdir, wall_start, stop)
+            return _train(config, workdir, wall_start, stop, import_only)
     except preemption.StoppedBeforeTraining as e:
         return startup.stopped_before_training(e, workdir, created)
     except WorkdirBusyError as e:
@@ -84,16 +92,22 @@ def train_and_evaluate(config, workdir: str | Path) -> dict[str, float]:
 
 
 def _train(
-    config: ExperimentConfig, workdir: Path, wall_start: float, stop: preemption.Preemption
+    config: ExperimentConfig,
+    workdir: Path,
+    wall_start: float,
+    stop: preemption.Preemption,
+    import_only: bool = False,
 ) -> dict[str, float]:
     """The paper's recipe: data, model, state (or the checkpoint's), then the steps."""
     startup.stop_if_asked(stop, "while starting")
     par = startup.parallelism(config)
     if jax.process_index() == 0:
         write_config(workdir, config.to_json())
+    startup.write_imported_tokenizer(config, workdir)
     data = startup.prepare_data(config, workdir)
     startup.stop_if_asked(stop, "while preparing the data")
-    return Trainer(config, workdir, par, data, wall_start).run(stop)
+    trainer = Trainer(config, workdir, par, data, wall_start)
+    return trainer.imported() if import_only else trainer.run(stop)
 
 
 class Trainer:
@@ -159,6 +173,9 @@ class Trainer:
         """The newest checkpoint's state and the minutes its run had spent, or the fresh
         state (with PPMI embeddings if asked for) and 0."""
         if self.checkpoints.latest_step() is None:
+            if self.config.train.init_from:  # step 0 is the imported model, kept
+                state = state.replace(params=startup.imported_params(self.config, state.params))
+                self.checkpoints.save(0, state, {"train_minutes": 0.0})
             if self.config.train.embedding_init == "ppmi":
                 params = startup.ppmi_embedding_params(
                     self.config, self.data.tokenizer, state.params
@@ -176,6 +193,22 @@ class Trainer:
                 ) from None
         print(f"resumed from step {int(state.step)} in {self.workdir}")
         return state, float(data_state.get("train_minutes", 0.0))
+
+    def imported(self) -> dict[str, float]:
+        """``main import``: the imported model's validation scores; no step taken."""
+        try:
+            final = self.validate(self.start)
+        finally:
+            self.iterator.close()
+            self.checkpoints.close()
+            self.logger.close()
+        print(
+            f"imported {self.config.train.init_from} as step {self.start} of {self.workdir}: "
+            f"validation loss {final['loss']:.4f}, perplexity {final['perplexity']:.2f}"
+            + (f", greedy BLEU {final['bleu']:.2f}" if "bleu" in final else "")
+            + "; translate, evaluate or train (fine-tune) it from there"
+        )
+        return {**final, "step": self.start, "trained_steps": 0}
 
     def say(self, text: str) -> None:
         if self.is_chief:
