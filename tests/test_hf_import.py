@@ -148,3 +148,51 @@ def test_refused_before_anything_is_written(tmp_path, opus):
     with pytest.raises(export.ExportError, match="no config.json"):
         hf_import.read_marian(tmp_path / "nowhere")
     assert sorted(p.name for p in broken.iterdir()) == ["config.json"]
+
+
+def test_import_then_translate_evaluate_fine_tune_and_export_back(
+    tmp_path, opus, fixture_data, one_device
+):
+    """``main import`` (train_and_evaluate(import_only=True)) on the fixture corpus: the
+    run translates as transformers does, evaluates, fine-tunes from step 0, and its
+    export reads back as the same parameters and tokenizer."""
+    from flaxformer_lite.inference.evaluation import evaluate_workdir
+    from flaxformer_lite.inference.run import Run
+    from flaxformer_lite.training.startup import TrainingError
+    from flaxformer_lite.training.train import train_and_evaluate
+    from tests import fixtures
+
+    folder, theirs_model, theirs_tok = opus
+    config = fixtures.debug_config(fixture_data[1], num_steps=2, eval_bleu_sentences=4)
+    config.data.aux_tag = ""  # the imported vocabulary has no <dict> piece
+    workdir = tmp_path / "run"
+    with pytest.raises(TrainingError, match="init_from"):
+        train_and_evaluate(config, workdir, import_only=True)
+    assert not workdir.exists()
+    config.train.init_from = f"hf:{folder}"
+    imported = train_and_evaluate(config, workdir, import_only=True)
+    assert imported["step"] == 0 and imported["trained_steps"] == 0
+    run = Run.open(workdir)
+    assert run.model_config.bos_id == 0 and run.model_config.logits_bias
+    source = theirs_tok(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = theirs_model.generate(
+            **source, num_beams=1, do_sample=False, max_new_tokens=20,
+            bad_words_ids=[[theirs_tok.pad_token_id]], forced_eos_token_id=None,
+        )  # fmt: skip
+    want = theirs_tok.batch_decode(out, skip_special_tokens=True)
+    translator = Translator.from_workdir(workdir)
+    assert translator.translate(TEXTS, beam_size=1, max_length=20) == want
+    scores = evaluate_workdir(workdir, "test", limit=4, beam_size=1)
+    assert 0 <= scores.bleu <= 100
+    before, _ = run.params()
+    tuned = train_and_evaluate(config, workdir)  # fine-tune: resumes from step 0
+    assert tuned["step"] == 2 and tuned["trained_steps"] == 2
+    after, _ = Run.open(workdir).params()
+    moved = jax.tree_util.tree_map(lambda a, b: bool(np.any(a != b)), before, after)
+    assert all(jax.tree_util.tree_leaves(moved))
+    back = hf_import.read_marian(export.export_workdir(workdir, "hf", tmp_path / "hf"))
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, back.params, jax.tree_util.tree_map(np.asarray, after)
+    )
+    assert back.tokenizer.to_bytes() == run.tokenizer.to_bytes()

@@ -267,11 +267,6 @@ def check_train(t: Any) -> None:
             f"config.train.init_from={t.init_from!r}: write hf:DIR, DIR a transformers "
             "Marian / OPUS-MT folder (e.g. hf:opus-mt-en-de)"
         )
-    if t.init_from and t.embedding_init != "random":
-        raise ConfigError(
-            f"config.train.init_from and embedding_init={t.embedding_init!r} both set the "
-            "embeddings; drop one"
-        )
     if t.batch_size % t.microbatches:
         raise ConfigError(
             f"config.train.microbatches={t.microbatches} must divide "

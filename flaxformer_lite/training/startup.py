@@ -215,7 +215,11 @@ def with_imported_model(config: ExperimentConfig) -> ExperimentConfig:
     changed = [f"{k}={v!r}" for k, v in fields.items() if getattr(config.model, k) != v]
     if changed:
         print(f"model: from {config.train.init_from}: {', '.join(changed)}")
-    return dataclasses.replace(config, model=config.model.replace(**fields))
+    train = config.train
+    if train.embedding_init != "random":  # the embeddings are the imported model's
+        print(f"train.embedding_init={train.embedding_init!r} not applied: init_from sets them")
+        train = train.replace(embedding_init="random")
+    return dataclasses.replace(config, model=config.model.replace(**fields), train=train)
 
 
 def write_imported_tokenizer(config: ExperimentConfig, workdir: Path) -> None:
@@ -228,6 +232,13 @@ def write_imported_tokenizer(config: ExperimentConfig, workdir: Path) -> None:
             f"train.init_from={config.train.init_from}: the folder has no tokenizer "
             "(source.spm, target.spm, vocab.json); save the model with its MarianTokenizer"
         )
+    d = config.data
+    for name, tag in (("aux_tag", d.aux_tag), ("reverse_tag", d.reverse_tag)):
+        if tag and tag not in tokenizer.pieces:
+            raise TrainingError(
+                f"data.{name}={tag!r} is no piece of {config.train.init_from}'s vocabulary "
+                f"(its model never saw the tag); set --config.data.{name}=''"
+            )
     data, path = tokenizer.to_bytes(), workdir / MODEL_NAME
     if path.exists():
         if path.read_bytes() != data:

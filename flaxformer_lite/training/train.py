@@ -124,6 +124,7 @@ class Trainer:
         self.is_chief = jax.process_index() == 0
         self.model = build_model(c, d.task)
         tx, schedule = make_optimizer(config.optimizer, c, t.num_steps)
+        self.tx = tx
         par.lay_out(*state_partitioning(self.model, tx, d.max_length))
         state = create_train_state(self.model, tx, t.seed, d.max_length, par.state_shardings)
         print(
@@ -174,7 +175,9 @@ class Trainer:
         state (with PPMI embeddings if asked for) and 0."""
         if self.checkpoints.latest_step() is None:
             if self.config.train.init_from:  # step 0 is the imported model, kept
-                state = state.replace(params=startup.imported_params(self.config, state.params))
+                params = startup.imported_params(self.config, state.params)
+                # the optimizer's state anew: a moving average starts from these
+                state = state.replace(params=params, opt_state=self.tx.init(params))
                 self.checkpoints.save(0, state, {"train_minutes": 0.0})
             if self.config.train.embedding_init == "ppmi":
                 params = startup.ppmi_embedding_params(
