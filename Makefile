@@ -16,7 +16,7 @@ TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST := $(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-.PHONY: setup prepare browser test test-all test-slow test-gpu gpu-bundle demo bench lint format clean
+.PHONY: setup extras prepare browser test test-all test-slow test-gpu gpu-bundle demo bench lint format clean
 
 setup: $(STAMP)
 
@@ -33,14 +33,32 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
+# The libraries that load an export or make the models an import reads (transformers,
+# CTranslate2 and a CPU build of torch: the 'export' extra), for their parity tests.
+# torch's CPU build is not on PyPI (PyPI's Linux torch is a CUDA build of several GB):
+# it comes from a local wheel folder where pip is given one, else from PyTorch's CPU
+# index; where neither answers, those tests are skipped, and nothing else changes.
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS := $(VENV)/.extras
+extras: $(EXTRAS)
+$(EXTRAS): $(STAMP)
+	@$(BIN)/python -c 'import torch' 2>/dev/null || \
+	  $(BIN)/python -m pip install -q '$(TORCH_CPU)' 2>/dev/null || \
+	  $(BIN)/python -m pip install -q '$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX) || true
+	@if $(BIN)/python -c 'import torch' 2>/dev/null; then \
+	  $(BIN)/python -m pip install -q -e '.[dev,export]'; else \
+	  echo "no CPU build of torch could be installed: the export/import parity tests will be skipped"; fi
+	@touch $(EXTRAS)
+
 # The tests read the real corpora too (their parsers on the real packages): set-up
 # fetches them, so that a broken data path fails instead of being skipped. The
 # browser is tried; where it cannot be installed its one test is skipped.
-test: setup prepare browser
+test: setup extras prepare browser
 	@start=$$(date +%s); $(PYTEST) -m "not slow"; status=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s of tests ($(TEST_WORKERS) workers)"; exit $$status
 
-test-all: setup prepare browser
+test-all: setup extras prepare browser
 	@start=$$(date +%s); $(PYTEST); status=$$?; \
 	  echo "make test-all: $$(( $$(date +%s) - start )) s of tests ($(TEST_WORKERS) workers)"; exit $$status
 
