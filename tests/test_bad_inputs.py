@@ -201,6 +201,22 @@ CASES = [
         ["--format='onnx'", "hf, ctranslate2"],
     ),
     (
+        "import without a model to import",
+        ["import", *TRAIN, "--workdir={new}/import_none", "--config.data.data_dir={data}"],
+        ["import needs", "init_from=hf:DIR"],
+    ),
+    (
+        "import from a path without hf:",
+        ["--config.train.init_from={tmp}/empty_dir"],
+        ["init_from=", "hf:DIR"],
+    ),  # fmt: skip
+    (
+        "import from a folder with no transformers model",
+        ["import", *TRAIN, "--workdir={new}/import_empty", "--config.data.data_dir={data}",
+         "--config.train.init_from=hf:{tmp}/empty_dir"],
+        ["empty_dir", "no config.json", "huggingface-cli download"],
+    ),  # fmt: skip
+    (
         "translate a folder with no run",
         ["translate", "--workdir={tmp}/empty_dir", "x"],
         ["empty_dir"],
