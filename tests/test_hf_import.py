@@ -154,8 +154,11 @@ def test_import_then_translate_evaluate_fine_tune_and_export_back(
     tmp_path, opus, fixture_data, one_device
 ):
     """``main import`` (train_and_evaluate(import_only=True)) on the fixture corpus: the
-    run translates as transformers does, evaluates, fine-tunes from step 0, and its
-    export reads back as the same parameters and tokenizer."""
+    run translates as transformers does, evaluates, fine-tunes from step 0 (with the
+    folder it came from gone), and its export reads back as the same parameters and
+    tokenizer."""
+    import shutil
+
     from flaxformer_lite.inference.evaluation import evaluate_workdir
     from flaxformer_lite.inference.run import Run
     from flaxformer_lite.training.startup import TrainingError
@@ -169,7 +172,8 @@ def test_import_then_translate_evaluate_fine_tune_and_export_back(
     with pytest.raises(TrainingError, match="init_from"):
         train_and_evaluate(config, workdir, import_only=True)
     assert not workdir.exists()
-    config.train.init_from = f"hf:{folder}"
+    source_folder = shutil.copytree(folder, tmp_path / "opus")
+    config.train.init_from = f"hf:{source_folder}"
     imported = train_and_evaluate(config, workdir, import_only=True)
     assert imported["step"] == 0 and imported["trained_steps"] == 0
     run = Run.open(workdir)
@@ -186,6 +190,7 @@ def test_import_then_translate_evaluate_fine_tune_and_export_back(
     scores = evaluate_workdir(workdir, "test", limit=4, beam_size=1)
     assert 0 <= scores.bleu <= 100
     before, _ = run.params()
+    shutil.rmtree(source_folder)  # a resume reads the run, not the folder
     tuned = train_and_evaluate(config, workdir)  # fine-tune: resumes from step 0
     assert tuned["step"] == 2 and tuned["trained_steps"] == 2
     after, _ = Run.open(workdir).params()

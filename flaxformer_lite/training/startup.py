@@ -204,13 +204,19 @@ def _imported(config: ExperimentConfig) -> hf_import.Imported:
         raise TrainingError(f"train.init_from={config.train.init_from}: {e}") from None
 
 
-def with_imported_model(config: ExperimentConfig) -> ExperimentConfig:
+def with_imported_model(config: ExperimentConfig, workdir: Path) -> ExperimentConfig:
     """``config`` with the model fields of ``train.init_from``'s model (architecture,
     special ids, epsilon, logits bias); the config's other fields (dropout, attention
-    pattern, precision, ...) stay, so every ablation runs on the imported weights."""
+    pattern, precision, ...) stay, so every ablation runs on the imported weights. A
+    run that imported it already takes them from its own config (the folder it came
+    from may be gone)."""
     if not config.train.init_from:
         return config
-    imported = _imported(config).config
+    previous = read_config(workdir) if (workdir / "config.json").is_file() else None
+    if previous is not None and previous.train.init_from == config.train.init_from:
+        imported = previous.model
+    else:
+        imported = _imported(config).config
     fields = {name: getattr(imported, name) for name in hf_import.IMPORTED_FIELDS}
     changed = [f"{k}={v!r}" for k, v in fields.items() if getattr(config.model, k) != v]
     if changed:
@@ -226,6 +232,8 @@ def write_imported_tokenizer(config: ExperimentConfig, workdir: Path) -> None:
     """The imported model's tokenizer as the run's (written once, atomically)."""
     if not config.train.init_from or jax.process_index() != 0:
         return
+    if (workdir / MODEL_NAME).exists() and ckpt_lib.steps(workdir):
+        return  # imported before: the run's own, checked against its data later
     tokenizer = _imported(config).tokenizer
     if tokenizer is None:
         raise TrainingError(

@@ -73,7 +73,7 @@ def train_and_evaluate(
         config = ExperimentConfig.from_config(config)  # checked before any data is read
         if import_only and not config.train.init_from:
             raise TrainingError("import needs --config.train.init_from=hf:DIR")
-        config = startup.with_imported_model(config)
+        config = startup.with_imported_model(config, workdir)
         config.model.check_precision()  # float64 needs x64 on
         wall_start = time.perf_counter()
         startup.check_workdir(config, workdir)

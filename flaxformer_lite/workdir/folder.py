@@ -3,7 +3,7 @@
 Layout of a workdir::
 
   config.json               the experiment config of the run (checked on resume)
-  tokenizer.model           the run's sentencepiece model
+  tokenizer.model           the run's sentencepiece model (an imported pair: a zip)
   corpus.json               which files a files:PATH run trained on (their fingerprint)
   metrics.jsonl, tensorboard/   what training measured
   checkpoints/<step>/       the last K train states + the data iterator position
