@@ -212,8 +212,13 @@ CASES = [
     ),  # fmt: skip
     (
         "import from a folder with no transformers model",
-        ["import", *TRAIN, "--workdir={new}/import_empty", "--config.data.data_dir={data}",
-         "--config.train.init_from=hf:{tmp}/empty_dir"],
+        [
+            "import",
+            *TRAIN,
+            "--workdir={new}/import_empty",
+            "--config.data.data_dir={data}",
+            "--config.train.init_from=hf:{tmp}/empty_dir",
+        ],
         ["empty_dir", "no config.json", "huggingface-cli download"],
     ),  # fmt: skip
     (
