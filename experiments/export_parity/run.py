@@ -1,7 +1,7 @@
 """A trained run out to transformers and CTranslate2: the same translations, measured by
 those libraries themselves, and CTranslate2's speed against ours.
 
-  python experiments/export_parity/run.py --workdir=runs/demo [--limit N]
+  python experiments/export_parity/run.py --workdir=runs/demo [--limit N] [--tag NAME]
 
 Translates the run's test split with our ``Translator`` (greedy and its beam), with
 ``transformers``' ``generate`` on ``main export --format=hf`` (greedy and beam 4), and
@@ -12,7 +12,9 @@ outputs identical to ours in the same mode, corpus BLEU, and sentences per secon
 GNMT penalty ((5 + len) / 6)^alpha, transformers and CTranslate2 by len^alpha (their
 ``length_penalty``, set to our alpha), so beam outputs may differ where the penalties
 rank hypotheses differently; greedy has no penalty and should agree wherever the
-logits do. Writes results.json and the table in README.md next to it.
+logits do. First, teacher-forced on the test split's references, the largest gap
+between transformers' logits (and log-probabilities) and ours. Writes results.json and
+table.md next to it (``--tag NAME``: results_NAME.json, table_NAME.md).
 """
 
 from __future__ import annotations
@@ -73,6 +75,42 @@ def transformers_outputs(folder, sources_, beams, alpha, extra, batch=32):
     return out
 
 
+def logit_gap(folder, ours, pairs, batch=64):
+    """Largest |theirs - ours| over the real target positions, of the logits and of
+    the log-probabilities, teacher-forced on ``pairs`` (source, reference)."""
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    c, tokenizer = ours.config, ours.tokenizer
+    params = ours.params[0] if isinstance(ours.params, tuple) else ours.params
+    forward = jax.jit(lambda p, x, y: ours.model.apply({"params": p}, x, y))
+    gap_logits = gap_logp = 0.0
+    for start in range(0, len(pairs), batch):
+        chunk = pairs[start : start + batch]
+        xs = [tokenizer.encode(s)[: c.max_len] for s, _ in chunk]
+        ys = [tokenizer.side(1).encode(t)[: c.max_len] for _, t in chunk]
+        x = np.zeros((len(chunk), max(map(len, xs))), np.int32)
+        y = np.zeros((len(chunk), max(map(len, ys))), np.int32)
+        for i, (a, b) in enumerate(zip(xs, ys, strict=True)):
+            x[i, : len(a)], y[i, : len(b)] = a, b
+        mine = np.asarray(forward(params, x, y))
+        start_ids = np.full((len(chunk), 1), c.bos_id)
+        with torch.no_grad():
+            theirs = model(
+                input_ids=torch.tensor(x, dtype=torch.long),
+                attention_mask=torch.tensor(x != 0, dtype=torch.long),
+                decoder_input_ids=torch.tensor(np.concatenate([start_ids, y[:, :-1]], 1)),
+            ).logits.numpy()
+        real = y != 0
+        gap_logits = max(gap_logits, float(np.abs(theirs - mine)[real].max()))
+        logp = np.asarray(jax.nn.log_softmax(mine)), np.asarray(jax.nn.log_softmax(theirs))
+        gap_logp = max(gap_logp, float(np.abs(logp[0] - logp[1])[real].max()))
+    return gap_logits, gap_logp
+
+
 def ctranslate2_outputs(folder, sp, sources_, beams, alpha, extra, batch=64):
     import ctranslate2
 
@@ -91,7 +129,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    suffix = f"_{args.tag}" if args.tag else ""
     ours = Translator.from_workdir(args.workdir)
     run = ours.run
     d, decode = run.config.data, run.config.decode
@@ -117,6 +157,8 @@ def main() -> None:
         row("ours (warm)", mode, mine[mode], seconds, mine[mode])
     with tempfile.TemporaryDirectory() as tmp:
         hf = export.export_workdir(args.workdir, "hf", Path(tmp) / "hf")
+        gaps = logit_gap(hf, ours, pairs)
+        print(f"teacher-forced gap to transformers: logits {gaps[0]:.2e}, log-probs {gaps[1]:.2e}")
         for mode, beams in (("greedy", 1), ("beam 4", 4)):
             outs, seconds = _timed(lambda b=beams: transformers_outputs(hf, srcs, b, alpha, extra))
             row("transformers", mode, outs, seconds, mine[mode])
@@ -132,8 +174,10 @@ def main() -> None:
     result = {
         "workdir": str(args.workdir), "sentences": len(srcs), "alpha": alpha,
         "cores": os.cpu_count(), "rows": rows,
+        "layer_norm_epsilon": run.model_config.layer_norm_epsilon,
+        "max_logit_gap": gaps[0], "max_log_prob_gap": gaps[1],
     }  # fmt: skip
-    (HERE / "results.json").write_text(json.dumps(result, indent=1))
+    (HERE / f"results{suffix}.json").write_text(json.dumps(result, indent=1))
     ours_speed = {r["mode"]: r["sentences_per_s"] for r in rows if r["system"] == "ours (warm)"}
     lines = [
         "| system | mode | identical to ours | BLEU | sentences/s | vs ours |",
@@ -145,7 +189,7 @@ def main() -> None:
             f"{r['sentences_per_s']:.1f} | {r['sentences_per_s'] / ours_speed[r['mode']]:.2f}x |"
         )
     print("\n".join(lines))
-    (HERE / "table.md").write_text("\n".join(lines) + "\n")
+    (HERE / f"table{suffix}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
