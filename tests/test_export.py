@@ -88,9 +88,11 @@ def test_what_cannot_map_is_refused_and_nothing_written(tmp_path):
 
 
 def test_main_export_of_a_trained_run_loads_with_transformers_alone(trained_run, tmp_path):
-    """`main export` on the shared :debug run: AutoTokenizer gives our ids, and
-    AutoModelForSeq2SeqLM our logits on the run's own tokens."""
+    """`main export` on the shared :debug run: AutoTokenizer gives our ids,
+    AutoModelForSeq2SeqLM our logits on the run's own tokens, CTranslate2 our
+    log-probabilities, and both translate as our greedy decoding does."""
     from flaxformer_lite.inference.run import Run
+    from flaxformer_lite.inference.translate import Translator
 
     workdir = trained_run[0]
     out = export.export_workdir(workdir, "hf", tmp_path / "hf")
@@ -108,10 +110,22 @@ def test_main_export_of_a_trained_run_loads_with_transformers_alone(trained_run,
     ours = np.asarray(run.model().apply({"params": params}, inputs, targets))
     theirs = _theirs(out, inputs, targets)
     real = targets != 0
-    # The run's LayerNorm epsilon is ours (1e-6), Marian's 1e-5: each LayerNorm's output
-    # moves by ~(1e-5 - 1e-6) / (2 var) relative, var ~1 here; over 2+1 layers and logits
-    # of order 10, ~1e-4. Bounded at 2e-3.
-    np.testing.assert_allclose(theirs[real], ours[real], atol=2e-3)
+    # The run trained with Marian's epsilon (1e-5): float32 round-off, ~3e-6 seen on
+    # random models; 1e-4 is the margin. (With our default 1e-6, each LayerNorm's output
+    # moves by ~(1e-5 - 1e-6) / (2 var) relative: ~1e-4 over 2+1 layers, logits of
+    # order 10; experiments/export_parity measures that gap on a trained run.)
+    np.testing.assert_allclose(theirs[real], ours[real], atol=1e-4)
+    # greedy translations: ours, transformers' generate and CTranslate2's
+    test = ["Das Haus ist groß.", "Der Hund schläft.", "Wo ist der Bahnhof?", "Guten Tag"]
+    mine = Translator.from_workdir(workdir).translate(test, beam_size=1, max_length=16)
+    assert any(mine)  # something to compare
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        generated = model.generate(
+            **tokenizer(test, return_tensors="pt", padding=True), num_beams=1,
+            do_sample=False, max_new_tokens=16, forced_eos_token_id=None,
+        )  # fmt: skip
+    assert tokenizer.batch_decode(generated, skip_special_tokens=True) == mine
     ctranslate2 = pytest.importorskip("ctranslate2")
     ct2 = export.export_workdir(workdir, "ctranslate2", tmp_path / "ct2")
     translator = ctranslate2.Translator(str(ct2), device="cpu")
@@ -121,10 +135,15 @@ def test_main_export_of_a_trained_run_loads_with_transformers_alone(trained_run,
         ids = [int(x) for x in targets[i] if x]
         source = [sp.id_to_piece(int(x)) for x in inputs[i] if x]
         got = translator.score_batch([source], [[sp.id_to_piece(x) for x in ids]])[0]
-        # the same epsilon bound as above, on log-probabilities
+        # the same round-off bound as above, on log-probabilities
         np.testing.assert_allclose(
-            got.log_probs[: len(ids)], log_probs[i, np.arange(len(ids)), ids], atol=2e-3
+            got.log_probs[: len(ids)], log_probs[i, np.arange(len(ids)), ids], atol=1e-4
         )
+    results = translator.translate_batch(
+        [sp.encode(t, out_type=str) + ["</s>"] for t in test], beam_size=1,
+        max_decoding_length=16,
+    )  # fmt: skip
+    assert [sp.decode_pieces(r.hypotheses[0]) for r in results] == mine
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ct2", "hf"]
 
 
