@@ -394,3 +394,59 @@ def test_bleu_matches_the_definition_and_has_a_signature():
 def test_length_penalty_formula():
     assert float(decoding.length_penalty(jnp.float32(7), 0.6)) == pytest.approx((12 / 6) ** 0.6)
     assert float(decoding.length_penalty(jnp.float32(7), 0.0)) == 1.0
+
+
+def test_a_traced_limit_in_a_larger_cache_gives_the_searches_at_that_length(model_params):
+    """One compiled search serves every limit of its bucket: the same ids (and beam
+    scores) as a search compiled for exactly that length."""
+    model, params = model_params
+    for limit in (5, 9):
+        exact = dict(max_length=limit, eos_id=1, bos_id=2)
+        bucketed = dict(max_length=16, eos_id=1, bos_id=2, limit=jnp.int32(limit))
+        greedy = decoding.sample(model, params, SRC, **exact)
+        np.testing.assert_array_equal(
+            decoding.sample(model, params, SRC, **bucketed)[:, :limit], greedy
+        )
+        ids, scores = decoding.beam_search(model, params, SRC, beam_size=3, alpha=0.6, **exact)
+        ids2, scores2 = decoding.beam_search(model, params, SRC, beam_size=3, alpha=0.6, **bucketed)
+        np.testing.assert_array_equal(ids2[..., :limit], ids)
+        assert not np.any(ids2[..., limit:])
+        # the same sums over a longer, masked cache: float32 round-off
+        np.testing.assert_allclose(scores2, scores, rtol=1e-5)
+    before = decoding.beam_search._cache_size()
+    for limit in (10, 11, 13):  # one bucket: nothing new to compile
+        decoding.beam_search(
+            model, params, SRC, beam_size=3, alpha=0.6, max_length=16, eos_id=1, bos_id=2,
+            limit=jnp.int32(limit),
+        )  # fmt: skip
+    assert decoding.beam_search._cache_size() == before  # compiled for limit 9 already
+
+
+@pytest.mark.parametrize("alpha", [0.6, 2.0])
+def test_early_beam_stops_never_beat_the_exact_bound(model_params, alpha):
+    """``exact`` stops only when no live beam can win, so its best score is the
+    search's; ``current`` and ``finished`` stop on the same path no later than it
+    can improve, so their best is at most exact's (and a real hypothesis)."""
+    model, params = model_params
+    kw = dict(beam_size=4, alpha=alpha, max_length=20, eos_id=1, bos_id=2)
+    _, exact = decoding.beam_search(model, params, SRC, stop="exact", **kw)
+    for stop in ("current", "finished"):
+        ids, scores = decoding.beam_search(model, params, SRC, stop=stop, **kw)
+        assert np.all(np.asarray(scores[:, 0]) <= np.asarray(exact[:, 0]) + 1e-5)
+        assert np.all(np.asarray(scores[:, 0]) > decoding.NEG_INF / 2)
+    with pytest.raises(ValueError, match="stop='soon'"):
+        decoding.beam_search(model, params, SRC, stop="soon", **kw)
+
+
+def test_padding_rows_of_a_batch_end_at_once(model_params):
+    """A padding row (``active`` False, or a maximum of 0) does not keep a batch's
+    search stepping: its output is empty."""
+    model, params = model_params
+    kw = dict(max_length=12, eos_id=1, bos_id=2)
+    active = jnp.array([True, False, True])
+    ids = decoding.sample(model, params, SRC, active=active, **kw)
+    assert not np.any(ids[1, 1:])
+    beams, _ = decoding.beam_search(
+        model, params, SRC, beam_size=2, alpha=0.6, max_lengths=jnp.array([12, 0, 12]), **kw
+    )
+    assert int(beams[1, 0, 0]) == 1 and not np.any(beams[1, 0, 1:])

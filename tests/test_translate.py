@@ -260,3 +260,30 @@ def test_translate_streams_one_line_out_per_line_in(run):
         "model.max_len=32 pieces (translated from their first 31); 1 not valid UTF-8 (bad "
         f"bytes replaced by U+FFFD; the first: line {CHUNK + 5})"
     ]
+
+
+def test_batches_by_tokens_cover_every_sentence_in_few_shapes(run):
+    """Sorted by length, each batch as many sentences as its width's token budget
+    holds: every sentence once, no batch over budget, one shape per width; and the
+    outputs do not depend on how the sentences were batched."""
+    import numpy as np
+
+    workdir, _ = run
+    t = Translator.from_workdir(workdir)
+    rng = np.random.default_rng(0)
+    encoded = [np.ones(int(n), np.int32) for n in rng.integers(2, 32, 300)]
+    batches = list(t._batches(encoded, 256))
+    seen = sorted(i for idx, _, _ in batches for i in idx)
+    assert seen == list(range(300))
+    shapes = {}
+    for idx, rows, longest in batches:
+        assert len(idx) <= rows.shape[0] and rows.shape[0] * rows.shape[1] <= 256
+        assert longest == max(len(encoded[i]) for i in idx) <= rows.shape[1]
+        shapes.setdefault(rows.shape[1], set()).add(rows.shape)
+    assert all(len(s) == 1 for s in shapes.values())
+    texts = [f"This is sentence number {i}." * (1 + i % 3) for i in range(12)]
+    by_tokens = t.translate(texts, beam_size=2)
+    assert Translator.from_workdir(workdir, batch_size=5).translate(texts, beam_size=2) == by_tokens
+    before = decoding.beam_search._cache_size()
+    t.translate(texts[::-1], beam_size=2)  # the same widths and buckets: no compile
+    assert decoding.beam_search._cache_size() == before

@@ -44,6 +44,7 @@ TOO_LONG = ("drop", "truncate")
 PARALLELISM = ("jit", "pmap")
 SCHEDULES = ("noam", "warmup_cosine", "constant")  # built by training/schedules.py
 EMBEDDING_INITS = ("random", "ppmi")
+BEAM_STOPS = ("exact", "current", "finished")  # inference/decoding.py's beam_search
 # "bleu": the greedy validation BLEU of train.eval_bleu_sentences sentences (translation).
 BEST_METRICS = {"loss": "min", "nll": "min", "perplexity": "min", "accuracy": "max", "bleu": "max"}
 
@@ -332,6 +333,15 @@ class DecodeConfig(Section):
     max_length_ratio: float = option(
         0.0, "outputs get <= ratio x source pieces + 5 (0 = off)", rule=NON_NEGATIVE
     )
+    beam_stop: str = option(
+        "exact", "when a beam row is done: exact (no live beam can still win), current "
+        "(none wins at its current length: transformers' rule), finished (beam_size "
+        "hypotheses ended)", choices=BEAM_STOPS,
+    )  # fmt: skip
+    batch_tokens: int = option(
+        4096, "source tokens per decoding batch (sentences sorted by length; a batch "
+        "holds at least one)", rule=POSITIVE,
+    )  # fmt: skip
 
     def check(self) -> None:
         rules.check_decode(self)

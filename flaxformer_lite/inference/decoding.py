@@ -7,7 +7,9 @@ stores each layer's cross-attention keys/values in the cache, and a
 ``lax.while_loop`` feeds one token per step through the cached decoder until
 every sentence has produced EOS (or ``max_length`` is reached). Outputs are
 ``[b, t]`` token ids (``[b, k, t]`` for beams): EOS then padding after a
-sentence ends.
+sentence ends. ``max_length`` sizes the cache and the outputs (a compile-time
+constant); ``limit``, a traced value, stops the search earlier, so that batches
+with other length limits reuse one compiled search (:func:`bucket`).
 
 Works for the encoder-decoder (``Transformer``) and the decoder-only
 ``LanguageModel`` (``inputs=None``); ``prefix`` forces the first tokens of each
@@ -31,12 +33,19 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from flaxformer_lite.config.experiment import BEAM_STOPS
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer
 
 NEG_INF = -1.0e9
 # Arguments every jitted search takes as compile-time constants.
 _STATIC = ("model", "max_length", "eos_id", "bos_id")
+
+
+def bucket(limit: int, cap: int) -> int:
+    """The cache length that a search with output ``limit`` compiles for: the next
+    power of two (at least 16), at most ``cap``; the limit itself is traced."""
+    return min(max(16, 1 << (max(limit, 1) - 1).bit_length()), cap)
 
 
 def is_ensemble(params) -> bool:
@@ -166,8 +175,12 @@ def sample(
     top_p: float = 1.0,
     prefix: Array | None = None,
     batch_size: int | None = None,
+    limit: Array | None = None,
+    active: Array | None = None,
 ) -> Array:
-    """Greedy (``temperature=0``) or sampled decoding; returns ``[b, max_length]`` ids."""
+    """Greedy (``temperature=0``) or sampled decoding; returns ``[b, max_length]`` ids
+    (``limit``, traced: at most that many tokens; the rest of a row is padding;
+    ``active [b]``: False for padding rows, which are done from the start)."""
     stepper = _Stepper(model, params, inputs)
     b = (
         inputs.shape[0]
@@ -197,10 +210,14 @@ def sample(
     first = choose(logits, 0)
     out = jnp.zeros((b, max_length), jnp.int32).at[:, 0].set(first)
     done = first == eos_id
+    if active is not None:
+        done = done | ~active
+
+    stop_at = max_length if limit is None else jnp.minimum(limit, max_length)
 
     def cond(carry):
         i, _, _, done, _ = carry
-        return (i < max_length) & ~jnp.all(done)
+        return (i < stop_at) & ~jnp.all(done)
 
     def body(carry):
         i, out, cache, done, last = carry
@@ -287,7 +304,9 @@ def repeated_ngram_mask(seqs: Array, length: Array, n: int, vocab_size: int) -> 
     return banned.reshape(*lead, vocab_size)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "beam_size", "alpha", "no_repeat_ngram"))
+@functools.partial(
+    jax.jit, static_argnames=(*_STATIC, "beam_size", "alpha", "no_repeat_ngram", "stop")
+)
 def beam_search(
     model: nn.Module,
     params,
@@ -301,6 +320,8 @@ def beam_search(
     no_repeat_ngram: int = 0,
     min_lengths: Array | None = None,
     max_lengths: Array | None = None,
+    limit: Array | None = None,
+    stop: str = "exact",
 ) -> tuple[Array, Array]:
     """Beam search with length penalty; returns (``[b, k, t]`` ids, ``[b, k]`` scores).
 
@@ -314,11 +335,27 @@ def beam_search(
     "zwei zwei zwei ..."); 0 = off, as in the paper.
 
     Hypotheses are sorted by penalised score log p / ((5+len)/6)^alpha, best first.
-    Finished hypotheses (ended by EOS) are kept apart from the live ones; the
-    search stops once no live beam can beat the best finished one (with
-    alpha >= 0 a live beam's score can only fall below logp / lp(max_length)).
-    At ``max_length``, rows without enough finished hypotheses take live ones.
+    Finished hypotheses (ended by EOS) are kept apart from the live ones. ``stop``
+    says when a row is done:
+
+    - ``exact``: no live beam can beat the best finished one. With alpha >= 0 a live
+      beam's score can only fall below logp / lp(L), L the longest output the row
+      may still reach (the limit, or its ``max_lengths`` + 1): the result is the
+      best-scoring hypothesis the beam can find, but a row whose outputs are short
+      steps on towards L when alpha is large.
+    - ``current``: the best live beam, scored as if it ended at the next step
+      (logp / lp(length + 1)), cannot beat the best finished one; the rule of
+      transformers' ``generate`` (``early_stopping=False``). A live beam could
+      still gain by growing longer, so it may stop before ``exact`` would find a
+      better hypothesis; it never steps on for nothing.
+    - ``finished``: ``beam_size`` hypotheses have finished (transformers'
+      ``early_stopping=True``, fairseq's, CTranslate2's default).
+
+    At the limit (``max_length``, or the traced ``limit`` below it), rows without
+    enough finished hypotheses take live ones.
     """
+    if stop not in BEAM_STOPS:
+        raise ValueError(f"stop={stop!r}; choose one of {', '.join(BEAM_STOPS)}")
     b, k, v = inputs.shape[0], beam_size, model.config.vocab_size
     stepper = _Stepper(model, params, inputs, repeat=k)
     encoded = stepper.encode()
@@ -330,7 +367,11 @@ def beam_search(
     live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), wide), (b, 1))
     fin_seqs = jnp.zeros((b, k, max_length), jnp.int32)
     fin_scores = jnp.full((b, k), NEG_INF, wide)
-    max_lp = length_penalty(jnp.asarray(max_length, wide), alpha)
+    stop_at = max_length if limit is None else jnp.minimum(limit, max_length)
+    longest = jnp.full((b,), stop_at, jnp.int32)  # the longest output each row can reach
+    if max_lengths is not None:
+        longest = jnp.minimum(longest, max_lengths + 1)
+    max_lp = length_penalty(longest.astype(wide), alpha)
 
     def step(i, live_seqs, live_logp, fin_seqs, fin_scores, cache, encoded):
         last = jnp.where(
@@ -363,9 +404,12 @@ def beam_search(
 
     def cond(c):
         i, live_seqs, live_logp, fin_seqs, fin_scores, cache = c
-        best_possible = live_logp[:, 0] / max_lp
-        undecided = fin_scores[:, 0] < best_possible
-        return (i < max_length) & jnp.any(undecided)
+        if stop == "finished":  # (a row with no live beam left is done too)
+            undecided = (fin_scores[:, k - 1] <= NEG_INF / 2) & (live_logp[:, 0] > NEG_INF / 2)
+        else:
+            reach = max_lp if stop == "exact" else length_penalty((i + 1).astype(wide), alpha)
+            undecided = fin_scores[:, 0] < live_logp[:, 0] / reach
+        return (i < stop_at) & jnp.any(undecided)
 
     def body(c):
         i, *state = c

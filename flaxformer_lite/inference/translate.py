@@ -63,7 +63,8 @@ class Translator:
     Build one from a trained run with :meth:`from_workdir`, or from a model, its
     parameters (a tuple of parameter trees decodes with their ensemble) and a
     :class:`~flaxformer_lite.data.tokenizer.Tokenizer`. Inputs are batched
-    ``batch_size`` at a time, sorted by length, and returned in input order;
+    sorted by length, ``decode.batch_tokens`` source tokens a batch (or, given
+    ``batch_size``, that many sentences), and returned in input order;
     ``too_long`` says what happens to an input longer than ``model.max_len``
     (``truncate`` with a warning, or ``refuse``). ``decode`` holds the decoding
     options that :meth:`translate` uses when not given (a run's ``decode`` section;
@@ -76,7 +77,7 @@ class Translator:
         params,
         tokenizer: Tokenizer,
         *,
-        batch_size: int = 32,
+        batch_size: int | None = None,
         too_long: str = "truncate",
         decode: DecodeConfig | None = None,
     ):
@@ -185,17 +186,35 @@ class Translator:
             )
         return out
 
-    def _batches(self, encoded: list[np.ndarray]):
-        """Index-sorted by length so each batch pads little; bucketed lengths limit recompiles."""
+    def _width(self, length: int) -> int:
+        """A batch's padded source length: a power of two (at least 8), at most max_len."""
+        return min(2 ** math.ceil(math.log2(max(length, 8))), self.config.max_len)
+
+    def _rows(self, width: int, batch_tokens: int) -> int:
+        """Rows of a batch of source ``width``: ``batch_size``, else a token budget."""
+        return self.batch_size or max(1, batch_tokens // width)
+
+    def _batches(self, encoded: list[np.ndarray], batch_tokens: int):
+        """Index-sorted by length so each batch pads little; each takes as many
+        sentences as its width's row count holds, so a width has one batch shape
+        (the compiled searches are few: one per width and output bucket)."""
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
-            length = max(len(encoded[i]) for i in idx)
-            length = min(2 ** math.ceil(math.log2(max(length, 8))), self.config.max_len)
-            rows = np.zeros((self.batch_size, length), np.int32)
+        start = 0
+        while start < len(order):
+            stop = start + 1
+            while stop < len(order):  # grow while the wider batch still holds every row
+                width = self._width(len(encoded[order[stop]]))
+                if stop + 1 - start > self._rows(width, batch_tokens):
+                    break
+                stop += 1
+            idx = order[start:stop]
+            longest = max(len(encoded[i]) for i in idx)
+            width = self._width(longest)
+            rows = np.zeros((self._rows(width, batch_tokens), width), np.int32)
             for r, i in enumerate(idx):
                 rows[r, : len(encoded[i])] = encoded[i]
-            yield idx, rows, max(len(encoded[i]) for i in idx)
+            yield idx, rows, longest
+            start = stop
 
     # Translating --------------------------------------------------------------------------
     def translate(
@@ -252,8 +271,10 @@ class Translator:
                     stacklevel=2,
                 )
         encoded = self._encode([sentences[i] for i in todo], report)
-        for idx, rows, longest in self._batches(encoded):
+        for idx, rows, longest in self._batches(encoded, d.batch_tokens):
             limit = max_length or min(longest + d.max_extra, self.config.max_len)
+            if d.max_length_ratio and not max_length:  # no row outlives its own bound
+                limit = min(limit, math.ceil(d.max_length_ratio * (longest - 1)) + 6)
             ids = self._decode_rows(rows, [len(encoded[i]) - 1 for i in idx], limit, d)
             for r, tokens in zip(idx, decoding.strip(ids, self.config.eos_id), strict=False):
                 results[todo[r]] = self.tokenizer.decode(tokens)
@@ -261,26 +282,32 @@ class Translator:
 
     def _decode_rows(self, rows: np.ndarray, lengths: list[int], limit: int, d) -> np.ndarray:
         """The best output ids of a batch of source ``rows`` (``lengths``: source pieces
-        of the real rows, EOS excluded) under the decode settings ``d``."""
+        of the real rows, EOS excluded) under the decode settings ``d``: at most
+        ``limit`` tokens, a traced value; the search compiles for its bucket
+        (:func:`~flaxformer_lite.inference.decoding.bucket`)."""
         c = self.config
-        bounds = {}
-        # Source pieces of every row (padding rows 0, so they get no bounds).
+        real = np.arange(len(rows)) < len(lengths)  # the others pad the batch
         n = np.asarray(lengths + [0] * (len(rows) - len(lengths)))
+        size = decoding.bucket(limit, c.max_len)
+        traced = jnp.asarray(limit, jnp.int32)
+        plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
+        if d.beam_size == 1 and plain:
+            return decoding.sample(
+                self.model, self.params, jnp.asarray(rows), max_length=size,
+                eos_id=c.eos_id, bos_id=c.bos_id, limit=traced, active=jnp.asarray(real),
+            )  # fmt: skip
+        bounds = {}
         if d.min_length_ratio:
             bounds["min_lengths"] = jnp.asarray(
                 np.minimum(np.floor(d.min_length_ratio * n), limit - 1), jnp.int32
             )
-        if d.max_length_ratio:
-            bounds["max_lengths"] = jnp.asarray(np.ceil(d.max_length_ratio * n) + 5, jnp.int32)
-        if d.beam_size == 1 and not d.no_repeat_ngram and not bounds:
-            return decoding.sample(
-                self.model, self.params, jnp.asarray(rows), max_length=limit,
-                eos_id=c.eos_id, bos_id=c.bos_id,
-            )  # fmt: skip
+        # Every row gets a maximum, so that padding rows (0: only EOS) end at once.
+        most = np.ceil(d.max_length_ratio * n) + 5 if d.max_length_ratio else np.full(len(n), limit)
+        bounds["max_lengths"] = jnp.asarray(np.where(real, most, 0), jnp.int32)
         ids, _ = decoding.beam_search(
             self.model, self.params, jnp.asarray(rows), beam_size=d.beam_size,
-            alpha=float(d.alpha), max_length=limit, eos_id=c.eos_id, bos_id=c.bos_id,
-            no_repeat_ngram=d.no_repeat_ngram, **bounds,
+            alpha=float(d.alpha), max_length=size, eos_id=c.eos_id, bos_id=c.bos_id,
+            no_repeat_ngram=d.no_repeat_ngram, limit=traced, stop=d.beam_stop, **bounds,
         )  # fmt: skip
         return ids[:, 0]
 
@@ -346,12 +373,13 @@ class Translator:
             forced.append(np.asarray(ids, np.int32))
         c = self.config
         results = []
-        for start in range(0, len(forced), self.batch_size):
-            chunk = forced[start : start + self.batch_size]
+        size = self.batch_size or 32  # prompts a batch
+        for start in range(0, len(forced), size):
+            chunk = forced[start : start + size]
             longest = max((len(f) for f in chunk), default=0)
             # Bucketed lengths limit recompiles, like the translation batches.
             length = min(2 ** math.ceil(math.log2(max(longest + max_new_tokens, 8))), limit)
-            prefix = np.zeros((self.batch_size, length), np.int32)  # 0 = not forced
+            prefix = np.zeros((size, length), np.int32)  # 0 = not forced
             for r, f in enumerate(chunk):
                 prefix[r, : len(f)] = f
             ids = decoding.sample(

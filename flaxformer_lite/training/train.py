@@ -403,7 +403,7 @@ def _validation_bleu(config, model, params, data: assembly.TrainingData) -> floa
     n = config.train.eval_bleu_sentences
     if not n or config.data.task != "translation" or jax.process_count() > 1:
         return None  # several processes: translate the checkpoints afterwards
-    translator = Translator(model, params, data.tokenizer, batch_size=config.train.batch_size)
+    translator = Translator(model, params, data.tokenizer)
     pairs = data.validation_texts[:n]
     hypotheses = translator.translate([p[0] for p in pairs], beam_size=1)
     return corpus_scores(hypotheses, [p[1] for p in pairs]).bleu
