@@ -439,13 +439,16 @@ def test_early_beam_stops_never_beat_the_exact_bound(model_params, alpha):
 
 
 def test_padding_rows_of_a_batch_end_at_once(model_params):
-    """A padding row (``active`` False, or a maximum of 0) does not keep a batch's
-    search stepping: its output is empty."""
+    """A padding row (a limit or maximum of 0) does not keep a batch's search
+    stepping: its output is empty; a row's own limit cuts it alone."""
     model, params = model_params
     kw = dict(max_length=12, eos_id=1, bos_id=2)
-    active = jnp.array([True, False, True])
-    ids = decoding.sample(model, params, SRC, active=active, **kw)
-    assert not np.any(ids[1, 1:])
+    ids = decoding.sample(model, params, SRC, limit=jnp.array([12, 0, 3]), **kw)
+    full = decoding.sample(model, params, SRC, **kw)
+    assert not np.any(ids[1])
+    np.testing.assert_array_equal(ids[0], full[0])
+    np.testing.assert_array_equal(ids[2, :3], full[2, :3])
+    assert not np.any(ids[2, 3:])
     beams, _ = decoding.beam_search(
         model, params, SRC, beam_size=2, alpha=0.6, max_lengths=jnp.array([12, 0, 12]), **kw
     )

@@ -12,8 +12,11 @@ outputs identical to ours in the same mode, corpus BLEU, and sentences per secon
 GNMT penalty ((5 + len) / 6)^alpha, transformers and CTranslate2 by len^alpha (their
 ``length_penalty``, set to our alpha), so beam outputs may differ where the penalties
 rank hypotheses differently; greedy has no penalty and should agree wherever the
-logits do. First, teacher-forced on the test split's references, the largest gap
-between transformers' logits (and log-probabilities) and ours. Writes results.json and
+logits do. Each sentence's output limit is its own source length + ``decode.max_extra``
+in every system (theirs batch sentences of one source length), so a sentence that
+never emits EOS is cut at the same length everywhere. First, teacher-forced on the
+test split's references, the largest gap between transformers' logits (and
+log-probabilities) and ours. Writes results.json and
 table.md next to it (``--tag NAME``: results_NAME.json, table_NAME.md).
 """
 
@@ -44,8 +47,20 @@ def _timed(fn):
     return out, time.perf_counter() - started
 
 
-def _batches(order, size):
-    return [order[i : i + size] for i in range(0, len(order), size)]
+def _batches(lengths, size):
+    """Indices by length, in batches of equal source length (at most ``size``), so
+    that a batch's length limit (source + extra) is each sentence's own, as ours."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out, start = [], 0
+    while start < len(order):
+        stop = start
+        while stop < len(order) and stop - start < size:
+            if lengths[order[stop]] != lengths[order[start]]:
+                break
+            stop += 1
+        out.append(order[start:stop])
+        start = stop
+    return out
 
 
 def transformers_outputs(folder, sources_, beams, alpha, extra, batch=32):
@@ -56,9 +71,8 @@ def transformers_outputs(folder, sources_, beams, alpha, extra, batch=32):
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
     ids = [tokenizer(s).input_ids for s in sources_]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out = [""] * len(ids)
-    for chunk in _batches(order, batch):
+    for chunk in _batches([len(x) for x in ids], batch):
         width = max(len(ids[i]) for i in chunk)
         x = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros_like(x)
@@ -118,11 +132,15 @@ def ctranslate2_outputs(folder, sp, sources_, beams, alpha, extra, batch=64):
         str(folder), device="cpu", inter_threads=1, intra_threads=os.cpu_count() or 1
     )
     tokens = [sp.encode(s, out_type=str) + ["</s>"] for s in sources_]
-    results = translator.translate_batch(
-        tokens, beam_size=beams, length_penalty=alpha, max_batch_size=batch,
-        max_decoding_length=max(len(t) for t in tokens) + extra,
-    )  # fmt: skip
-    return [sp.decode_pieces(r.hypotheses[0]) for r in results]
+    out = [""] * len(tokens)
+    for chunk in _batches([len(t) for t in tokens], batch):
+        results = translator.translate_batch(
+            [tokens[i] for i in chunk], beam_size=beams, length_penalty=alpha,
+            max_batch_size=batch, max_decoding_length=len(tokens[chunk[0]]) + extra,
+        )  # fmt: skip
+        for i, r in zip(chunk, results, strict=True):
+            out[i] = sp.decode_pieces(r.hypotheses[0])
+    return out
 
 
 def main() -> None:

@@ -339,7 +339,7 @@ class DecodeConfig(Section):
         "hypotheses ended)", choices=BEAM_STOPS,
     )  # fmt: skip
     batch_tokens: int = option(
-        4096, "source tokens per decoding batch (sentences sorted by length; a batch "
+        512, "source tokens per decoding batch (sentences sorted by length; a batch "
         "holds at least one)", rule=POSITIVE,
     )  # fmt: skip
 

@@ -275,12 +275,15 @@ class Translator:
             limit = max_length or min(longest + d.max_extra, self.config.max_len)
             if d.max_length_ratio and not max_length:  # no row outlives its own bound
                 limit = min(limit, math.ceil(d.max_length_ratio * (longest - 1)) + 6)
-            ids = self._decode_rows(rows, [len(encoded[i]) - 1 for i in idx], limit, d)
+            lengths = [len(encoded[i]) - 1 for i in idx]
+            ids = self._decode_rows(rows, lengths, limit, d, given_limit=bool(max_length))
             for r, tokens in zip(idx, decoding.strip(ids, self.config.eos_id), strict=False):
                 results[todo[r]] = self.tokenizer.decode(tokens)
         return results
 
-    def _decode_rows(self, rows: np.ndarray, lengths: list[int], limit: int, d) -> np.ndarray:
+    def _decode_rows(
+        self, rows: np.ndarray, lengths: list[int], limit: int, d, given_limit: bool = False
+    ) -> np.ndarray:
         """The best output ids of a batch of source ``rows`` (``lengths``: source pieces
         of the real rows, EOS excluded) under the decode settings ``d``: at most
         ``limit`` tokens, a traced value; the search compiles for its bucket
@@ -291,10 +294,12 @@ class Translator:
         size = decoding.bucket(limit, c.max_len)
         traced = jnp.asarray(limit, jnp.int32)
         plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
-        if d.beam_size == 1 and plain:
+        if d.beam_size == 1 and plain:  # each row its own limit: batch-mates change nothing
+            own = np.full(len(n), limit) if given_limit else np.minimum(n + 1 + d.max_extra, limit)
+            own = jnp.asarray(np.where(real, own, 0), jnp.int32)
             return decoding.sample(
                 self.model, self.params, jnp.asarray(rows), max_length=size,
-                eos_id=c.eos_id, bos_id=c.bos_id, limit=traced, active=jnp.asarray(real),
+                eos_id=c.eos_id, bos_id=c.bos_id, limit=own,
             )  # fmt: skip
         bounds = {}
         if d.min_length_ratio:

@@ -1,0 +1,149 @@
+"""Translating a test set: our Translator against CTranslate2 on the same weights.
+
+  python benchmarks/decode_engines.py --workdir=runs/ende_small [--alpha 1.0] [--limit N]
+
+A trained translation run's test split, on this machine's CPU cores, in one process:
+
+- ours: ``Translator.translate`` on the whole split, greedy and beam 4, cold (a fresh
+  translator whose searches are not compiled yet: the first call of a process) and
+  warm (the same call again); the compiles of each call counted from jax's caches;
+  beam 4 under each stopping rule (``decode.beam_stop``): exact, current, finished;
+- CTranslate2 (float32 and int8) on ``main export --format=ctranslate2`` of the same
+  checkpoint: ``translate_batch``, greedy and beam 4, length_penalty = alpha
+  (CTranslate2 divides by len^alpha, we by ((5 + len) / 6)^alpha: beam outputs may
+  differ where the penalties rank hypotheses differently).
+
+For each row: sentences/s, output tokens/s, the share of outputs identical to ours
+(beam: to ours with the exact rule) and corpus BLEU. Writes
+benchmarks/results/decode_engines.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flaxformer_lite.data import sources  # noqa: E402
+from flaxformer_lite.inference import decoding, export  # noqa: E402
+from flaxformer_lite.inference.evaluation import corpus_scores  # noqa: E402
+from flaxformer_lite.inference.translate import Translator  # noqa: E402
+
+
+def compiles() -> int:
+    return decoding.beam_search._cache_size() + decoding.sample._cache_size()
+
+
+def ctranslate2_outputs(folder, sp, texts, beams, alpha, extra):
+    import ctranslate2
+
+    translator = ctranslate2.Translator(
+        str(folder), device="cpu", inter_threads=1, intra_threads=os.cpu_count() or 1
+    )
+    tokens = [sp.encode(s, out_type=str) + ["</s>"] for s in texts]
+    started = time.perf_counter()
+    results = translator.translate_batch(
+        tokens, beam_size=beams, length_penalty=alpha, max_batch_size=64,
+        max_decoding_length=max(len(t) for t in tokens) + extra,
+    )  # fmt: skip
+    seconds = time.perf_counter() - started
+    outputs = [r.hypotheses[0] for r in results]
+    return [sp.decode_pieces(o) for o in outputs], seconds, sum(len(o) + 1 for o in outputs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default=str(ROOT / "runs" / "ende_small"))
+    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    probe = Translator.from_workdir(args.workdir)
+    run = probe.run
+    d = run.config.data
+    pairs = sources.load_texts(d.dataset, d.test_split, d.features, d.data_dir)
+    pairs = pairs[: args.limit] if args.limit else pairs
+    texts, refs = [p[0] for p in pairs], [p[1] for p in pairs]
+    tokenizer = run.tokenizer
+    rows, reference = [], {}
+
+    def row(system, mode, outputs, seconds, **extra):
+        same = reference.get(mode)
+        tokens = sum(len(tokenizer.side(1).encode(o)) for o in outputs)
+        rows.append({
+            "system": system, "mode": mode, "sentences_per_s": len(outputs) / seconds,
+            "tokens_per_s": tokens / seconds, "seconds": seconds,
+            "identical": None if same is None else
+            sum(a == b for a, b in zip(outputs, same, strict=True)) / len(outputs),
+            "bleu": corpus_scores(outputs, refs).bleu, **extra,
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+
+    modes = [("greedy", 1, "exact"), ("beam 4", 4, "exact"), ("beam 4", 4, "current"),
+             ("beam 4", 4, "finished")]  # fmt: skip
+    for mode, beams, stop in modes:
+        # a fresh translator; its searches compile on the first call (cold)
+        translator = Translator.from_workdir(args.workdir)
+        options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
+        translator.decode = translator.decode.replace(beam_stop=stop)
+        jax.clear_caches()  # every search compiles anew: this row's first call is cold
+        before = compiles()
+        started = time.perf_counter()
+        translator.translate(texts, **options)
+        cold = time.perf_counter() - started
+        compiled = compiles() - before
+        started = time.perf_counter()
+        outputs = translator.translate(texts, **options)
+        warm = time.perf_counter() - started
+        label = "ours" if beams == 1 else f"ours ({stop})"
+        if stop == "exact":
+            reference[mode] = outputs
+        row(label, mode, outputs, warm, cold_seconds=cold, compiles=compiled)
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in ("ctranslate2", "ctranslate2-int8"):
+            folder = export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
+            for mode, beams in (("greedy", 1), ("beam 4", 4)):
+                outputs, seconds, _ = ctranslate2_outputs(
+                    folder, tokenizer.sp, texts, beams, args.alpha, run.config.decode.max_extra
+                )
+                row(fmt.replace("ctranslate2", "CTranslate2"), mode, outputs, seconds)
+    write(args, rows, len(texts))
+
+
+def write(args, rows, sentences) -> None:
+    ct2 = {r["mode"]: r["sentences_per_s"] for r in rows if r["system"] == "CTranslate2"}
+    lines = [
+        f"Test split of `{args.workdir}`: {sentences} sentences, alpha {args.alpha}, "
+        f"{os.cpu_count()} CPU cores, one process.",
+        "",
+        "| system | mode | sentences/s | tokens/s | vs CTranslate2 fp32 | cold / warm | "
+        "compiles | identical | BLEU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cold = f"{r['cold_seconds'] / r['seconds']:.2f}" if "cold_seconds" in r else ""
+        same = "" if r["identical"] is None else f"{r['identical']:.1%}"
+        lines.append(
+            f"| {r['system']} | {r['mode']} | {r['sentences_per_s']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {r['sentences_per_s'] / ct2[r['mode']]:.2f}x | {cold} | "
+            f"{r.get('compiles', '')} | {same} | {r['bleu']:.2f} |"
+        )
+    out = Path(args.out)
+    (out / "decode_engines.json").write_text(
+        json.dumps({"workdir": args.workdir, "alpha": args.alpha, "rows": rows}, indent=1)
+    )
+    (out / "decode_engines.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
