@@ -123,7 +123,7 @@ def test_main_export_of_a_trained_run_loads_with_transformers_alone(trained_run,
     with torch.no_grad():
         generated = model.generate(
             **tokenizer(test, return_tensors="pt", padding=True), num_beams=1,
-            do_sample=False, max_new_tokens=16, forced_eos_token_id=None,
+            do_sample=False, max_new_tokens=16,
         )  # fmt: skip
     assert tokenizer.batch_decode(generated, skip_special_tokens=True) == mine
     ctranslate2 = pytest.importorskip("ctranslate2")

@@ -122,7 +122,9 @@ def hf_config(c: ModelConfig) -> dict:
         "eos_token_id": EOS_ID,
         "bos_token_id": c.bos_id,
         "decoder_start_token_id": c.bos_id,
-        "forced_eos_token_id": EOS_ID,
+        # ours never forces EOS (a sentence at its length limit is cut), and Marian's
+        # class default (0) would force our pad: none, explicitly
+        "forced_eos_token_id": None,
         "is_encoder_decoder": True,
     }
 
@@ -261,7 +263,7 @@ def write_hf(
             "decoder_start_token_id": c.bos_id,
             "eos_token_id": EOS_ID,
             "pad_token_id": PAD_ID,
-            "forced_eos_token_id": EOS_ID,
+            "forced_eos_token_id": None,
             "max_length": c.max_len,
         }
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=1))
