@@ -334,9 +334,9 @@ class DecodeConfig(Section):
         0.0, "outputs get <= ratio x source pieces + 5 (0 = off)", rule=NON_NEGATIVE
     )
     beam_stop: str = option(
-        "exact", "when a beam row is done: exact (no live beam can still win), current "
-        "(none wins at its current length: transformers' rule), finished (beam_size "
-        "hypotheses ended)", choices=BEAM_STOPS,
+        "current", "when a beam row is done: current (no live beam wins at its current "
+        "length: transformers' rule), exact (none can still win: never stops early), "
+        "finished (beam_size hypotheses ended)", choices=BEAM_STOPS,
     )  # fmt: skip
     batch_tokens: int = option(
         512, "source tokens per decoding batch (sentences sorted by length; a batch "
