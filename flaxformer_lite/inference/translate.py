@@ -272,26 +272,41 @@ class Translator:
                 )
         encoded = self._encode([sentences[i] for i in todo], report)
         for idx, rows, longest in self._batches(encoded, d.batch_tokens):
-            limit = max_length or min(longest + d.max_extra, self.config.max_len)
-            if d.max_length_ratio and not max_length:  # no row outlives its own bound
-                limit = min(limit, math.ceil(d.max_length_ratio * (longest - 1)) + 6)
+            limit, size = (
+                self._limit(longest, d, max_length),
+                self._limit(rows.shape[1], d, max_length),
+            )
             lengths = [len(encoded[i]) - 1 for i in idx]
-            ids = self._decode_rows(rows, lengths, limit, d, given_limit=bool(max_length))
+            ids = self._decode_rows(rows, lengths, limit, size, d, given_limit=bool(max_length))
             for r, tokens in zip(idx, decoding.strip(ids, self.config.eos_id), strict=False):
                 results[todo[r]] = self.tokenizer.decode(tokens)
         return results
 
+    def _limit(self, length: int, d, max_length: int | None) -> int:
+        """The output limit of a batch whose longest source has ``length`` pieces (EOS
+        included): ``max_length`` if given, else length + ``max_extra`` (and, with
+        ``max_length_ratio``, no more than its longest row's bound), at most max_len."""
+        if max_length:
+            return max_length
+        limit = min(length + d.max_extra, self.config.max_len)
+        if d.max_length_ratio:  # no row outlives its own bound
+            limit = min(limit, math.ceil(d.max_length_ratio * (length - 1)) + 6)
+        return limit
+
     def _decode_rows(
-        self, rows: np.ndarray, lengths: list[int], limit: int, d, given_limit: bool = False
-    ) -> np.ndarray:
+        self, rows: np.ndarray, lengths: list[int], limit: int, widest: int, d,
+        given_limit: bool = False,
+    ) -> np.ndarray:  # fmt: skip
         """The best output ids of a batch of source ``rows`` (``lengths``: source pieces
         of the real rows, EOS excluded) under the decode settings ``d``: at most
-        ``limit`` tokens, a traced value; the search compiles for its bucket
+        ``limit`` tokens, a traced value. The search compiles for the bucket of
+        ``widest``, the limit of the widest batch of this source width, so that every
+        batch of a width shares one compiled search
         (:func:`~flaxformer_lite.inference.decoding.bucket`)."""
         c = self.config
         real = np.arange(len(rows)) < len(lengths)  # the others pad the batch
         n = np.asarray(lengths + [0] * (len(rows) - len(lengths)))
-        size = decoding.bucket(limit, c.max_len)
+        size = decoding.bucket(max(limit, widest), c.max_len)
         traced = jnp.asarray(limit, jnp.int32)
         plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
         if d.beam_size == 1 and plain:  # each row its own limit: batch-mates change nothing
