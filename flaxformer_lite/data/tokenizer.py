@@ -77,14 +77,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ids up to the first EOS; pad/BOS are skipped."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                out.append(i)
-        return self.sp.decode(out)
+        return self.sp.decode(_until_eos(ids, (PAD_ID, BOS_ID)))
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
@@ -102,6 +95,18 @@ class Tokenizer:
                 f"{path} is not a valid sentencepiece model ({e}); delete it to train a new one"
             ) from e
         return cls(sp, path)
+
+
+def _until_eos(ids: Iterable[int], skip: tuple[int, ...]) -> list[int]:
+    """The ids before the first EOS, without those in ``skip``."""
+    out = []
+    for i in ids:
+        i = int(i)
+        if i == EOS_ID:
+            break
+        if i not in skip:
+            out.append(i)
+    return out
 
 
 def train_tokenizer(
@@ -266,14 +271,9 @@ class PairTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         """The target side's text of ids up to the first EOS (special pieces skipped)."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i != PAD_ID and i != self.unk_id and 0 <= i < len(self.pieces):
-                out.append(self.pieces[i])
-        return "".join(out).replace("\u2581", " ").strip()
+        kept = _until_eos(ids, (PAD_ID, self.unk_id))
+        pieces = [self.pieces[i] for i in kept if 0 <= i < len(self.pieces)]
+        return "".join(pieces).replace("\u2581", " ").strip()
 
     def id_to_piece(self, i: int) -> str:
         return self.pieces[int(i)]
