@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from flaxformer_lite.config.model import ConfigError
-from flaxformer_lite.inference import decoding
+from flaxformer_lite.inference import batching, decoding
 from flaxformer_lite.inference.evaluation import evaluate_workdir
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
@@ -272,7 +272,7 @@ def test_batches_by_tokens_cover_every_sentence_in_few_shapes(run):
     t = Translator.from_workdir(workdir)
     rng = np.random.default_rng(0)
     encoded = [np.ones(int(n), np.int32) for n in rng.integers(2, 32, 300)]
-    batches = list(t._batches(encoded, 256))
+    batches = list(batching.batches(encoded, t.config.max_len, 256))
     seen = sorted(i for idx, _, _ in batches for i in idx)
     assert seen == list(range(300))
     shapes = {}

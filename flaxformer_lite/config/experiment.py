@@ -333,15 +333,11 @@ class DecodeConfig(Section):
     max_length_ratio: float = option(
         0.0, "outputs get <= ratio x source pieces + 5 (0 = off)", rule=NON_NEGATIVE
     )
-    beam_stop: str = option(
-        "current", "when a beam row is done: current (no live beam wins at its current "
-        "length: transformers' rule), exact (none can still win: never stops early), "
-        "finished (beam_size hypotheses ended)", choices=BEAM_STOPS,
-    )  # fmt: skip
-    batch_tokens: int = option(
-        512, "source tokens per decoding batch (sentences sorted by length; a batch "
-        "holds at least one)", rule=POSITIVE,
-    )  # fmt: skip
+    beam_stop: str = option("current", "when a beam row is done: current (no live beam "
+        "wins at its current length), exact (none can still win), finished (beam_size "
+        "ended)", choices=BEAM_STOPS)  # fmt: skip
+    batch_tokens: int = option(512, "source tokens per decoding batch (sorted by "
+        "length)", rule=POSITIVE)  # fmt: skip
 
     def check(self) -> None:
         rules.check_decode(self)

@@ -329,33 +329,17 @@ def beam_search(
     """Beam search with length penalty; returns (``[b, k, t]`` ids, ``[b, k]`` scores).
 
     ``min_lengths`` / ``max_lengths`` (``[b]`` ints, optional): per-sentence bounds on
-    the number of tokens before EOS; EOS is forbidden before the minimum and forced
-    at the maximum (which ``max_length`` still caps). They let a translator tie the
-    output length to the source length, e.g. at least half of it.
+    the tokens before EOS (EOS forbidden before the minimum, forced at the maximum),
+    e.g. to tie the output length to the source length.
 
-    ``no_repeat_ngram`` = n > 0 forbids any hypothesis to contain the same n
-    tokens twice (a guard against an undertrained model's loops such as
-    "zwei zwei zwei ..."); 0 = off, as in the paper.
+    ``no_repeat_ngram`` = n > 0 forbids any hypothesis to contain the same n tokens
+    twice (a guard against an undertrained model's loops); 0 = off, as in the paper.
 
     Hypotheses are sorted by penalised score log p / ((5+len)/6)^alpha, best first.
-    Finished hypotheses (ended by EOS) are kept apart from the live ones. ``stop``
-    says when a row is done:
-
-    - ``exact``: no live beam can beat the best finished one. With alpha >= 0 a live
-      beam's score can only fall below logp / lp(L), L the longest output the row
-      may still reach (the limit, or its ``max_lengths`` + 1): the result is the
-      best-scoring hypothesis the beam can find, but a row whose outputs are short
-      steps on towards L when alpha is large.
-    - ``current``: the best live beam, scored as if it ended at the next step
-      (logp / lp(length + 1)), cannot beat the best finished one; the rule of
-      transformers' ``generate`` (``early_stopping=False``). A live beam could
-      still gain by growing longer, so it may stop before ``exact`` would find a
-      better hypothesis; it never steps on for nothing.
-    - ``finished``: ``beam_size`` hypotheses have finished (transformers'
-      ``early_stopping=True``, and fairseq's).
-
-    At the limit (``max_length``, or the traced ``limit`` below it), rows without
-    enough finished hypotheses take live ones.
+    Finished hypotheses (ended by EOS) are kept apart from the live ones; ``stop``
+    says when a row is done (:func:`_undecided`: exact, current or finished). At the
+    limit (``max_length``, or the traced ``limit`` below it), rows without enough
+    finished hypotheses take live ones.
     """
     if stop not in BEAM_STOPS:
         raise ValueError(f"stop={stop!r}; choose one of {', '.join(BEAM_STOPS)}")
@@ -407,11 +391,7 @@ def beam_search(
 
     def cond(c):
         i, live_seqs, live_logp, fin_seqs, fin_scores, cache = c
-        if stop == "finished":  # (a row with no live beam left is done too)
-            undecided = (fin_scores[:, k - 1] <= NEG_INF / 2) & (live_logp[:, 0] > NEG_INF / 2)
-        else:
-            reach = max_lp if stop == "exact" else length_penalty((i + 1).astype(wide), alpha)
-            undecided = fin_scores[:, 0] < live_logp[:, 0] / reach
+        undecided = _undecided(stop, i, live_logp, fin_scores, alpha, max_lp)
         return (i < stop_at) & jnp.any(undecided)
 
     def body(c):
@@ -429,6 +409,28 @@ def beam_search(
     all_seqs = jnp.concatenate([fin_seqs, live_seqs], axis=1)
     scores, keep = lax.top_k(all_scores, k)
     return jnp.take_along_axis(all_seqs, keep[..., None], axis=1), scores
+
+
+def _undecided(stop: str, i, live_logp, fin_scores, alpha: float, max_lp) -> Array:
+    """``[b]``: the rows a beam search must go on with after step ``i - 1``.
+
+    - ``exact``: some live beam can still beat the best finished one. With alpha >= 0
+      a live beam's score can only fall below logp / lp(L), L the longest output its
+      row may still reach (``max_lp`` = lp(L)): the result is the best-scoring
+      hypothesis the beam can find, but a row of short outputs steps on towards L
+      when alpha is large.
+    - ``current``: the best live beam, scored as if it ended at the next step
+      (logp / lp(i + 1)), beats the best finished one; the rule of transformers'
+      ``generate`` (``early_stopping=False``). A live beam could still gain by
+      growing longer, so it may stop before ``exact`` finds a better hypothesis; it
+      never steps on for nothing.
+    - ``finished``: fewer than ``beam_size`` hypotheses have finished (transformers'
+      ``early_stopping=True``, and fairseq's); a row with no live beam left is done.
+    """
+    if stop == "finished":
+        return (fin_scores[:, -1] <= NEG_INF / 2) & (live_logp[:, 0] > NEG_INF / 2)
+    reach = max_lp if stop == "exact" else length_penalty((i + 1).astype(max_lp.dtype), alpha)
+    return fin_scores[:, 0] < live_logp[:, 0] / reach
 
 
 def _constrain(logp, seqs, i, eos_id, no_repeat_ngram, min_lengths, max_lengths):

@@ -195,3 +195,15 @@ def evaluate_workdir(
     for src, ref, hyp in list(zip(sources, references, hypotheses, strict=True))[:num_examples]:
         print(f"  source:    {src}\n  reference: {ref}\n  output:    {hyp}")
     return scores
+
+
+def validation_bleu(config, model, params, data) -> float | None:
+    """Training's greedy BLEU on the first ``train.eval_bleu_sentences`` validation
+    sentences of ``data`` (the assembly's TrainingData); None where not measured."""
+    n = config.train.eval_bleu_sentences
+    if not n or config.data.task != "translation" or jax.process_count() > 1:
+        return None  # several processes: translate the checkpoints afterwards
+    translator = Translator(model, params, data.tokenizer)
+    pairs = data.validation_texts[:n]
+    hypotheses = translator.translate([p[0] for p in pairs], beam_size=1)
+    return corpus_scores(hypotheses, [p[1] for p in pairs]).bleu

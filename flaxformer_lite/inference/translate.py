@@ -31,7 +31,7 @@ import numpy as np
 from flaxformer_lite.config.experiment import DecodeConfig
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
-from flaxformer_lite.inference import decoding
+from flaxformer_lite.inference import batching, decoding
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
@@ -186,36 +186,6 @@ class Translator:
             )
         return out
 
-    def _width(self, length: int) -> int:
-        """A batch's padded source length: a power of two (at least 8), at most max_len."""
-        return min(2 ** math.ceil(math.log2(max(length, 8))), self.config.max_len)
-
-    def _rows(self, width: int, batch_tokens: int) -> int:
-        """Rows of a batch of source ``width``: ``batch_size``, else a token budget."""
-        return self.batch_size or max(1, batch_tokens // width)
-
-    def _batches(self, encoded: list[np.ndarray], batch_tokens: int):
-        """Index-sorted by length so each batch pads little; each takes as many
-        sentences as its width's row count holds, so a width has one batch shape
-        (the compiled searches are few: one per width and output bucket)."""
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-        start = 0
-        while start < len(order):
-            stop = start + 1
-            while stop < len(order):  # grow while the wider batch still holds every row
-                width = self._width(len(encoded[order[stop]]))
-                if stop + 1 - start > self._rows(width, batch_tokens):
-                    break
-                stop += 1
-            idx = order[start:stop]
-            longest = max(len(encoded[i]) for i in idx)
-            width = self._width(longest)
-            rows = np.zeros((self._rows(width, batch_tokens), width), np.int32)
-            for r, i in enumerate(idx):
-                rows[r, : len(encoded[i])] = encoded[i]
-            yield idx, rows, longest
-            start = stop
-
     # Translating --------------------------------------------------------------------------
     def translate(
         self,
@@ -271,27 +241,17 @@ class Translator:
                     stacklevel=2,
                 )
         encoded = self._encode([sentences[i] for i in todo], report)
-        for idx, rows, longest in self._batches(encoded, d.batch_tokens):
-            limit, size = (
-                self._limit(longest, d, max_length),
-                self._limit(rows.shape[1], d, max_length),
-            )
+        c = self.config
+        for idx, rows, longest in batching.batches(
+            encoded, c.max_len, d.batch_tokens, self.batch_size
+        ):
+            limit = batching.output_limit(longest, d, c.max_len, max_length)
+            size = batching.output_limit(rows.shape[1], d, c.max_len, max_length)
             lengths = [len(encoded[i]) - 1 for i in idx]
             ids = self._decode_rows(rows, lengths, limit, size, d, given_limit=bool(max_length))
             for r, tokens in zip(idx, decoding.strip(ids, self.config.eos_id), strict=False):
                 results[todo[r]] = self.tokenizer.decode(tokens)
         return results
-
-    def _limit(self, length: int, d, max_length: int | None) -> int:
-        """The output limit of a batch whose longest source has ``length`` pieces (EOS
-        included): ``max_length`` if given, else length + ``max_extra`` (and, with
-        ``max_length_ratio``, no more than its longest row's bound), at most max_len."""
-        if max_length:
-            return max_length
-        limit = min(length + d.max_extra, self.config.max_len)
-        if d.max_length_ratio:  # no row outlives its own bound
-            limit = min(limit, math.ceil(d.max_length_ratio * (length - 1)) + 6)
-        return limit
 
     def _decode_rows(
         self, rows: np.ndarray, lengths: list[int], limit: int, widest: int, d,

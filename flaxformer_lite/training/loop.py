@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from flaxformer_lite.training import distributed, schedules
+from flaxformer_lite.training import distributed, schedules, startup
 
 
 class Clock:
@@ -252,3 +252,16 @@ class Throughput:
             "step_time": step_time,
             "tflops_per_sec": self.step_flops / step_time / 1e12,
         }
+
+
+def check_finite(m: dict[str, float], step: int, checkpoints, window: int) -> None:
+    """A logged loss or gradient norm that is not finite stops the run, naming the last
+    good checkpoint (kept) and the fix."""
+    if not math.isfinite(m["loss"]) or not math.isfinite(m["grad_norm"]):
+        good = checkpoints.latest_step()
+        raise startup.TrainingError(
+            f"the loss is {m['loss']} (gradient norm {m['grad_norm']}) at step {step} "
+            f"(checked every {window} steps); the last good checkpoint is "
+            f"{'step ' + str(good) if good is not None else 'none'} and was kept. Lower "
+            "optimizer.learning_rate or set optimizer.clip_grad_norm, then rerun to resume"
+        )

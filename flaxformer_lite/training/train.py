@@ -8,7 +8,6 @@ dropout randomness) after checking that the workdir holds the same model.
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from pathlib import Path
@@ -16,14 +15,13 @@ from pathlib import Path
 import jax
 
 from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
-from flaxformer_lite.data import assembly, pipeline
+from flaxformer_lite.data import pipeline
 from flaxformer_lite.inference import diagnostics
-from flaxformer_lite.inference.evaluation import corpus_scores
-from flaxformer_lite.inference.translate import Translator
+from flaxformer_lite.inference.evaluation import validation_bleu
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, startup
 from flaxformer_lite.training.logging import MetricsLogger
-from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Pace, Throughput
+from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Pace, Throughput, check_finite
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.startup import TrainingError
 from flaxformer_lite.training.state import (
@@ -279,7 +277,7 @@ class Trainer:
 
     def log(self, step: int, metrics) -> None:
         m = self.par.metrics_to_host(metrics)
-        _check_finite(m, step, self.checkpoints, self.config.train.log_every)
+        check_finite(m, step, self.checkpoints, self.config.train.log_every)
         m.update(self.meter.rates())
         self.logger.write(step, m)
         if self.is_chief:
@@ -302,7 +300,7 @@ class Trainer:
         host_state = self.par.unreplicate(self.state)
         final = _evaluate(self.p_eval, self.par, host_state, self.eval_batches)
         params = evaluation_params(host_state)
-        bleu = _validation_bleu(self.config, self.model, params, self.data)
+        bleu = validation_bleu(self.config, self.model, params, self.data)
         if bleu is not None:
             final["bleu"] = bleu
         self.logger.write(step, final, prefix="validation")
@@ -345,7 +343,7 @@ class Trainer:
 
     def save(self, step: int, metrics) -> None:
         m = self.par.metrics_to_host(metrics)
-        _check_finite(m, step, self.checkpoints, self.config.train.log_every)
+        check_finite(m, step, self.checkpoints, self.config.train.log_every)
         data_state = {
             "iterator": distributed.merged_data_state(self.iterator.get_state()),
             "train_minutes": self.clock.minutes(),
@@ -396,28 +394,6 @@ class Trainer:
             "trained_steps": stopped - self.start,
             "budget_reached": float(stopped < t.num_steps),
         }
-
-
-def _validation_bleu(config, model, params, data: assembly.TrainingData) -> float | None:
-    """Greedy BLEU on the first ``train.eval_bleu_sentences`` validation sentences."""
-    n = config.train.eval_bleu_sentences
-    if not n or config.data.task != "translation" or jax.process_count() > 1:
-        return None  # several processes: translate the checkpoints afterwards
-    translator = Translator(model, params, data.tokenizer)
-    pairs = data.validation_texts[:n]
-    hypotheses = translator.translate([p[0] for p in pairs], beam_size=1)
-    return corpus_scores(hypotheses, [p[1] for p in pairs]).bleu
-
-
-def _check_finite(m: dict[str, float], step: int, checkpoints, window: int) -> None:
-    if not math.isfinite(m["loss"]) or not math.isfinite(m["grad_norm"]):
-        good = checkpoints.latest_step()
-        raise TrainingError(
-            f"the loss is {m['loss']} (gradient norm {m['grad_norm']}) at step {step} "
-            f"(checked every {window} steps); the last good checkpoint is "
-            f"{'step ' + str(good) if good is not None else 'none'} and was kept. Lower "
-            "optimizer.learning_rate or set optimizer.clip_grad_norm, then rerun to resume"
-        )
 
 
 __all__ = ["TrainState", "TrainingError", "train_and_evaluate"]
