@@ -10,6 +10,7 @@ workdir this command created is removed, and the same command starts afresh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -197,11 +198,22 @@ def ppmi_embedding_params(config, tokenizer: Tokenizer, params):
 
 
 def _imported(config: ExperimentConfig) -> hf_import.Imported:
-    where = config.train.init_from.removeprefix("hf:")
+    """``train.init_from``'s model, read once per start (its fields, tokenizer and
+    weights are asked for at three points; an OPUS-MT model is ~300 MB)."""
+    where = Path(config.train.init_from.removeprefix("hf:"))
     try:
-        return hf_import.read_marian(where)
+        stamp = (where / "config.json").stat().st_mtime_ns
+    except OSError:
+        stamp = None  # read_marian says what is missing
+    try:
+        return _read_once(str(where), stamp)
     except (ExportError, OSError) as e:
         raise TrainingError(f"train.init_from={config.train.init_from}: {e}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _read_once(where: str, stamp: int | None) -> hf_import.Imported:
+    return hf_import.read_marian(where)
 
 
 def with_imported_model(config: ExperimentConfig, workdir: Path) -> ExperimentConfig:
