@@ -72,10 +72,17 @@ def _next_token_probs(model, params, src, labels):
     return jax.nn.softmax(model.apply({"params": params}, src[None], labels[None])[0])
 
 
+def _length(seq, eos_id=1):
+    """Tokens of a hypothesis: up to its EOS; one that did not end (a live beam that
+    fills the k-best list of a row that stopped) runs up to its padding."""
+    n = next((i + 1 for i, t in enumerate(seq) if t == eos_id), None)
+    return n if n is not None else next((i for i, t in enumerate(seq) if t == 0), len(seq))
+
+
 def _labels(seq, eos_id=1):
     """(``seq`` up to its EOS, zero-padded to WIDTH; its length). The decoder is causal,
     so the padding after position n changes nothing at positions before it."""
-    n = next((i + 1 for i, t in enumerate(seq) if t == eos_id), len(seq))
+    n = _length(seq, eos_id)
     labels = np.zeros(WIDTH, np.int32)
     labels[:n] = seq[:n]
     return jnp.asarray(labels), n
@@ -99,10 +106,9 @@ def test_beams_sorted_by_penalised_score_and_end_properly(model_params):
     for b in range(3):
         for k in range(4):
             seq = np.asarray(beams[b, k]).tolist()
-            ended = 1 in seq
-            assert ended or 0 not in seq, "each hypothesis ends in EOS or at max length"
-            if ended:
-                assert all(t == 0 for t in seq[seq.index(1) + 1 :])
+            # Each ends in EOS, or is a live beam cut where its row stopped; padding after.
+            n = _length(seq)
+            assert 0 not in seq[:n] and 1 not in seq[: n - 1] and not any(seq[n:])
             assert _score(model, params, SRC[b], seq, 0.6) == pytest.approx(s[b, k], abs=1e-3)
 
 
@@ -453,3 +459,44 @@ def test_padding_rows_of_a_batch_end_at_once(model_params):
         model, params, SRC, beam_size=2, alpha=0.6, max_lengths=jnp.array([12, 0, 12]), **kw
     )
     assert int(beams[1, 0, 0]) == 1 and not np.any(beams[1, 0, 1:])
+
+
+def test_a_shrunk_batch_decodes_its_rows_as_the_whole_batch_and_alone(model_params):
+    """Once few rows of a batch still search, they step on alone (their state and
+    cache rows gathered): the same ids as the whole batch stepping (shrink=0), and as
+    each sentence decoded by itself; scores to float32 round-off (the matmuls run
+    at other batch sizes)."""
+    model, params = model_params
+    rng = np.random.default_rng(0)
+    pool = rng.integers(3, CFG.vocab_size, size=(40, 6)).astype(np.int32)
+    pool[:, -1] = 1
+    kw = dict(max_length=16, eos_id=1, bos_id=2)
+    # Two sentences whose greedy output runs past 8 tokens, ten cut within 3 tokens:
+    # the batch shrinks to 3 rows.
+    runs_on = np.asarray(decoding.sample(model, params, pool, **kw))[:, :8].all(axis=1)
+    assert runs_on.sum() >= 2
+    long_rows = np.flatnonzero(runs_on)[:2]
+    src = np.concatenate([np.delete(pool, long_rows, axis=0)[:10], pool[long_rows]])
+    bound = np.array([2, 3] * 5 + [14, 14], np.int32)
+    greedy = {s: decoding.sample(model, params, src, limit=bound, shrink=s, **kw) for s in (0, 4)}
+    np.testing.assert_array_equal(greedy[4], greedy[0])
+    assert np.asarray(greedy[4][-2:, 8:]).any() and not np.asarray(greedy[4][:10, 3:]).any()
+    beam = dict(beam_size=3, alpha=0.6, stop="current", **kw)
+    least = jnp.asarray(np.where(bound > 3, 10, 0))  # the long rows' beams run on too
+    out = {
+        s: decoding.beam_search(
+            model, params, src, max_lengths=bound, min_lengths=least, shrink=s, **beam
+        )
+        for s in (0, 4)
+    }
+    np.testing.assert_array_equal(out[4][0], out[0][0])
+    np.testing.assert_allclose(out[4][1], out[0][1], rtol=1e-5)
+    for r in (0, 11):
+        alone, score = decoding.beam_search(
+            model, params, src[r : r + 1], max_lengths=bound[r : r + 1],
+            min_lengths=least[r : r + 1], **beam,
+        )  # fmt: skip
+        np.testing.assert_array_equal(alone[0], out[4][0][r])
+        np.testing.assert_allclose(score[0], out[4][1][r], rtol=1e-5)
+        one = decoding.sample(model, params, src[r : r + 1], limit=bound[r : r + 1], **kw)
+        np.testing.assert_array_equal(one[0], greedy[4][r])

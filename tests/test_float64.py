@@ -103,7 +103,9 @@ def test_cached_decoding_equals_the_full_forward_in_float64(cache):
 def _padded(seq):
     """(``seq`` to its EOS, zero-padded to WIDTH; its length). The decoder is causal,
     so the padding after position n changes nothing before it."""
-    n = next((i + 1 for i, t in enumerate(seq) if t == 1), len(seq))
+    n = next((i + 1 for i, t in enumerate(seq) if t == 1), None)
+    if n is None:  # a live beam that fills a stopped row's list: up to its padding
+        n = next((i for i, t in enumerate(seq) if t == 0), len(seq))
     return list(seq[:n]) + [0] * (WIDTH - n), n
 
 

@@ -34,12 +34,21 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from flaxformer_lite.config.experiment import BEAM_STOPS
-from flaxformer_lite.model.lm import LanguageModel
+from flaxformer_lite.inference.stepping import (
+    Stepper,
+    repeat_rows,
+    run_shrinking,
+    score_dtype,
+    stage_sizes,
+    take_cache_rows,
+)
 from flaxformer_lite.model.transformer import Transformer
 
 NEG_INF = -1.0e9
 # Arguments every jitted search takes as compile-time constants.
 _STATIC = ("model", "max_length", "eos_id", "bos_id")
+# A search goes on with its unfinished rows alone once they are 1/SHRINK of the batch.
+SHRINK = 4
 
 
 def bucket(limit: int, cap: int) -> int:
@@ -48,93 +57,6 @@ def bucket(limit: int, cap: int) -> int:
     compile less but cost ~25% of a beam search on CPU: each step reorders and
     reads the whole cache, so its unused tail is paid for.)"""
     return min(-(-max(limit, 1) // 16) * 16, cap)
-
-
-def is_ensemble(params) -> bool:
-    """A tuple/list of parameter trees (an ensemble) rather than one tree."""
-    return isinstance(params, tuple | list)
-
-
-class _Stepper:
-    """One decoding step of either architecture over a shared cache protocol.
-
-    For an ensemble (``params`` a tuple of trees) the encoding and the cache are
-    tuples with one entry per member, and a step returns the log of the members'
-    mean next-token probability."""
-
-    def __init__(self, model: nn.Module, params, inputs: Array | None, repeat: int = 1):
-        # ``repeat`` = k for beam search: each source row stands for k adjacent beam
-        # rows. The encoder still runs once per source row (its output is repeated),
-        # which saves 3/4 of the encoder at beam 4: ~25% of the whole search.
-        self.model, self.source, self.repeat = model, inputs, repeat
-        self.inputs = _repeat(inputs, repeat) if repeat > 1 else inputs  # decoder masks
-        self.members = tuple(params) if is_ensemble(params) else (params,)
-        if not self.members:
-            raise ValueError("an ensemble needs at least one parameter tree")
-        self.is_lm = isinstance(model, LanguageModel)
-        if not self.is_lm and inputs is None:
-            raise ValueError("the encoder-decoder needs source inputs")
-
-    def init_cache(self, batch: int, max_length: int):
-        dummy = jnp.ones((batch, max_length), jnp.int32)
-        args = (dummy,) if self.is_lm else (self.inputs, dummy)
-        shapes = jax.eval_shape(
-            lambda: self.model.init(jax.random.key(0), *args, decode=True)["cache"]
-        )
-        return tuple(
-            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in self.members
-        )
-
-    def encode(self):
-        if self.is_lm:
-            return None
-        encoded = [
-            self.model.apply({"params": p}, self.source, method=Transformer.encode)
-            for p in self.members
-        ]
-        return tuple(_repeat(e, self.repeat) if self.repeat > 1 else e for e in encoded)
-
-    def _member_step(self, params, cache, tokens: Array, encoded: Array | None):
-        variables = {"params": params, "cache": cache}
-        if self.is_lm:
-            logits, mutated = self.model.apply(variables, tokens, decode=True, mutable=["cache"])
-        else:
-            logits, mutated = self.model.apply(
-                variables,
-                encoded,
-                self.inputs,
-                tokens,
-                decode=True,
-                mutable=["cache"],
-                method=Transformer.decode,
-            )
-        return logits[:, -1].astype(score_dtype(self.model)), mutated["cache"]
-
-    def __call__(self, cache, tokens: Array, encoded) -> tuple[Array, tuple]:
-        """Logits ``[b, v]`` for the next token after ``tokens [b, 1]``; the new cache.
-
-        One member: its logits. An ensemble: log of the mean member probability."""
-        encodings = encoded if encoded is not None else (None,) * len(self.members)
-        steps = [
-            self._member_step(p, c, tokens, e)
-            for p, c, e in zip(self.members, cache, encodings, strict=True)
-        ]
-        caches = tuple(c for _, c in steps)
-        if len(steps) == 1:
-            return steps[0][0], caches
-        logp = jnp.stack([jax.nn.log_softmax(lg) for lg, _ in steps])
-        return jax.nn.logsumexp(logp, axis=0) - jnp.log(len(steps)), caches
-
-
-def score_dtype(model: nn.Module) -> jnp.dtype:
-    """Logits and scores: float32, or float64 for a float64 model (float64 mode is how
-    this project checks numerics, so its scores must not be rounded to float32)."""
-    return jnp.promote_types(model.config.dtype, jnp.float32)
-
-
-def _repeat(x: Array | None, k: int) -> Array | None:
-    """``[b, ...]`` -> ``[b * k, ...]`` (each row k times, adjacent)."""
-    return None if x is None else jnp.repeat(x, k, axis=0)
 
 
 # Greedy and sampling -----------------------------------------------------------------
@@ -161,7 +83,7 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=(*_STATIC, "temperature", "top_k", "top_p", "batch_size")
+    jax.jit, static_argnames=(*_STATIC, "temperature", "top_k", "top_p", "batch_size", "shrink")
 )
 def sample(
     model: nn.Module,
@@ -178,59 +100,56 @@ def sample(
     prefix: Array | None = None,
     batch_size: int | None = None,
     limit: Array | None = None,
+    shrink: int = SHRINK,
 ) -> Array:
     """Greedy (``temperature=0``) or sampled decoding; returns ``[b, max_length]`` ids.
 
     ``limit`` (traced; a scalar, or ``[b]`` for each row its own): at most that many
     tokens, the rest of a row padding. Per-row limits make a row's output independent
-    of its batch-mates; a padding row with limit 0 is done from the start."""
-    stepper = _Stepper(model, params, inputs)
+    of its batch-mates; a padding row with limit 0 is done from the start.
+    ``shrink``: greedy decoding goes on with the unfinished rows alone once they are
+    1/shrink of the batch (:func:`~flaxformer_lite.inference.stepping.run_shrinking`;
+    0 = never). Sampling never shrinks: its draws are made over the whole batch."""
+    stepper = Stepper(model, params, inputs)
     b = (
         inputs.shape[0]
         if inputs is not None
         else (prefix.shape[0] if prefix is not None else batch_size)
     )
-    encoded = stepper.encode()
     cache = stepper.init_cache(b, max_length)
     rng = jax.random.key(0) if rng is None else rng
+    limits = jnp.full((b,), max_length, jnp.int32) if limit is None else limit
+    rows = {
+        "out": jnp.zeros((b, max_length), jnp.int32),
+        "last": jnp.full((b,), bos_id, jnp.int32),
+        "limit": jnp.broadcast_to(limits, (b,)),
+        "inputs": inputs,
+    }
+    rows["active"] = rows["limit"] > 0
     if prefix is not None:  # 0 = not forced; indexing past its end would clamp, so pad it
-        prefix = jnp.pad(
+        rows["prefix"] = jnp.pad(
             prefix[:, :max_length], ((0, 0), (0, max(max_length - prefix.shape[1], 0)))
         )
 
-    def choose(logits, i):
+    def step(i, r, cache):
+        logits, cache = stepper(cache, r["last"][:, None], r["inputs"])
         if temperature == 0.0:
             token = jnp.argmax(logits, axis=-1)
         else:
             scaled = filter_logits(logits / temperature, top_k, top_p)
             token = jax.random.categorical(jax.random.fold_in(rng, i), scaled, axis=-1)
         if prefix is not None:
-            forced = prefix[:, i]
+            forced = r["prefix"][:, i]
             token = jnp.where(forced > 0, forced, token)
-        return token.astype(jnp.int32)
+        token = jnp.where(r["active"], token, 0).astype(jnp.int32)
+        out = lax.dynamic_update_slice_in_dim(r["out"], token[:, None], i, axis=1)
+        active = r["active"] & (token != eos_id) & (i + 1 < r["limit"])
+        return r | {"out": out, "last": token, "active": active}, cache
 
-    logits, cache = stepper(cache, jnp.full((b, 1), bos_id, jnp.int32), encoded)
-    first = choose(logits, 0)
-    out = jnp.zeros((b, max_length), jnp.int32).at[:, 0].set(first)
-    rows = jnp.full((b,), max_length, jnp.int32) if limit is None else jnp.broadcast_to(limit, (b,))
-    out = jnp.where((rows > 0)[:, None], out, 0)
-    done = (first == eos_id) | (rows <= 1)
-
-    stop_at = jnp.minimum(jnp.max(rows), max_length)
-
-    def cond(carry):
-        i, _, _, done, _ = carry
-        return (i < stop_at) & ~jnp.all(done)
-
-    def body(carry):
-        i, out, cache, done, last = carry
-        logits, cache = stepper(cache, last[:, None], None)
-        token = jnp.where(done, 0, choose(logits, i))
-        out = lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1)
-        return i + 1, out, cache, done | (token == eos_id) | (i + 1 >= rows), token
-
-    _, out, _, _, _ = lax.while_loop(cond, body, (jnp.int32(1), out, cache, done, first))
-    return out
+    stop_at = jnp.minimum(jnp.max(rows["limit"]), max_length)
+    sizes = stage_sizes(b, shrink if temperature == 0.0 else 0)
+    _, rows = run_shrinking(step, jnp.int32(0), rows, cache, stop_at, sizes, 1)
+    return rows["out"]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -267,24 +186,6 @@ def length_penalty(length: Array, alpha: float) -> Array:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _gather_beams(tree, beam_index: Array, batch: int, beams: int):
-    """Reorder every ``[b*k, ...]`` self-attention cache leaf by ``beam_index [b, k]``."""
-
-    # Whole rows of the flattened [b*k, ...] leaves. This copy of the cache is
-    # memory-bound: ~15% of a beam-4 search in benchmarks/decode.py.
-    rows = (jnp.arange(batch)[:, None] * beams + beam_index).reshape(-1)
-
-    def gather(path, x):
-        name = jax.tree_util.keystr(path)
-        # Counters, cross K/V and a ring buffer's slot positions are the same for
-        # every beam; only per-row leaves follow their beams.
-        if x.ndim == 0 or "cross_" in name or "cached_positions" in name:
-            return x
-        return x.at[rows].get(mode="promise_in_bounds")
-
-    return jax.tree_util.tree_map_with_path(gather, tree)
-
-
 def repeated_ngram_mask(seqs: Array, length: Array, n: int, vocab_size: int) -> Array:
     """``[..., vocab]`` True where appending the token to ``seqs[..., :length]`` would
     repeat an ``n``-gram already in it (fairseq's ``--no-repeat-ngram-size``)."""
@@ -308,7 +209,8 @@ def repeated_ngram_mask(seqs: Array, length: Array, n: int, vocab_size: int) -> 
 
 
 @functools.partial(
-    jax.jit, static_argnames=(*_STATIC, "beam_size", "alpha", "no_repeat_ngram", "stop")
+    jax.jit,
+    static_argnames=(*_STATIC, "beam_size", "alpha", "no_repeat_ngram", "stop", "shrink"),
 )
 def beam_search(
     model: nn.Module,
@@ -325,6 +227,7 @@ def beam_search(
     max_lengths: Array | None = None,
     limit: Array | None = None,
     stop: str = "exact",
+    shrink: int = SHRINK,
 ) -> tuple[Array, Array]:
     """Beam search with length penalty; returns (``[b, k, t]`` ids, ``[b, k]`` scores).
 
@@ -337,78 +240,107 @@ def beam_search(
 
     Hypotheses are sorted by penalised score log p / ((5+len)/6)^alpha, best first.
     Finished hypotheses (ended by EOS) are kept apart from the live ones; ``stop``
-    says when a row is done (:func:`_undecided`: exact, current or finished). At the
-    limit (``max_length``, or the traced ``limit`` below it), rows without enough
-    finished hypotheses take live ones.
+    says when a row is done (:func:`_undecided`: exact, current or finished), and a
+    row that is done stops changing, whatever its batch-mates still do. At the limit
+    (``max_length``, or the traced ``limit`` below it), rows without enough finished
+    hypotheses take live ones. ``shrink``: the search goes on with the undecided rows
+    alone once they are 1/shrink of the batch (0 = never; the results are the same).
     """
     if stop not in BEAM_STOPS:
         raise ValueError(f"stop={stop!r}; choose one of {', '.join(BEAM_STOPS)}")
     b, k, v = inputs.shape[0], beam_size, model.config.vocab_size
-    stepper = _Stepper(model, params, inputs, repeat=k)
-    encoded = stepper.encode()
+    stepper = Stepper(model, params, inputs, repeat=k)
     cache = stepper.init_cache(b * k, max_length)
-
-    live_seqs = jnp.zeros((b, k, max_length), jnp.int32)
-    # Only beam 0 is alive at the start, so the first step does not pick k copies.
     wide = score_dtype(model)
-    live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), wide), (b, 1))
-    fin_seqs = jnp.zeros((b, k, max_length), jnp.int32)
-    fin_scores = jnp.full((b, k), NEG_INF, wide)
     stop_at = max_length if limit is None else jnp.minimum(limit, max_length)
     longest = jnp.full((b,), stop_at, jnp.int32)  # the longest output each row can reach
     if max_lengths is not None:
         longest = jnp.minimum(longest, max_lengths + 1)
-    max_lp = length_penalty(longest.astype(wide), alpha)
+    rows = {
+        "live_seqs": jnp.zeros((b, k, max_length), jnp.int32),
+        # Only beam 0 is alive at the start, so the first step does not pick k copies.
+        "live_logp": jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), wide), (b, 1)),
+        "fin_seqs": jnp.zeros((b, k, max_length), jnp.int32),
+        "fin_scores": jnp.full((b, k), NEG_INF, wide),
+        "steps": jnp.zeros((b,), jnp.int32),  # tokens in each row's live hypotheses
+        "max_lp": length_penalty(longest.astype(wide), alpha),
+        "inputs": inputs,
+        "min_lengths": min_lengths,
+        "max_lengths": max_lengths,
+    }
+    rows["active"] = _undecided(
+        stop, jnp.int32(0), rows["live_logp"], rows["fin_scores"], alpha, rows["max_lp"]
+    )
 
-    def step(i, live_seqs, live_logp, fin_seqs, fin_scores, cache, encoded):
+    def step(i, r, cache):
+        n = r["live_seqs"].shape[0]
         last = jnp.where(
-            i == 0, bos_id, lax.dynamic_index_in_dim(live_seqs, jnp.maximum(i - 1, 0), 2, False)
+            i == 0,
+            bos_id,
+            lax.dynamic_index_in_dim(r["live_seqs"], jnp.maximum(i - 1, 0), 2, False),
         )
-        logits, cache = stepper(cache, last.reshape(b * k, 1), encoded)
-        logp = jax.nn.log_softmax(logits).reshape(b, k, v)
-        logp = _constrain(logp, live_seqs, i, eos_id, no_repeat_ngram, min_lengths, max_lengths)
-        cand = (live_logp[..., None] + logp).reshape(b, k * v)
+        logits, cache = stepper(cache, last.reshape(n * k, 1), repeat_rows(r["inputs"], k))
+        logp = jax.nn.log_softmax(logits).reshape(n, k, v)
+        logp = _constrain(
+            logp, r["live_seqs"], i, eos_id, no_repeat_ngram, r["min_lengths"], r["max_lengths"]
+        )
+        cand = (r["live_logp"][..., None] + logp).reshape(n, k * v)
         top_logp, top_idx = lax.top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
         beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
-        seqs = jnp.take_along_axis(live_seqs, beam[..., None], axis=1)
+        seqs = jnp.take_along_axis(r["live_seqs"], beam[..., None], axis=1)
         seqs = lax.dynamic_update_slice_in_dim(seqs, token[..., None], i, axis=2)
         is_eos = token == eos_id
         # New live beams: the k best candidates that did not end.
-        live_cand = jnp.where(is_eos, NEG_INF, top_logp)
-        new_logp, pick = lax.top_k(live_cand, k)
-        new_live = jnp.take_along_axis(seqs, pick[..., None], axis=1)
-        cache = _gather_beams(cache, jnp.take_along_axis(beam, pick, axis=1), b, k)
+        live_logp, pick = lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)
+        origin = jnp.take_along_axis(beam, pick, axis=1)
+        cache = take_cache_rows(
+            cache, (jnp.arange(n)[:, None] * k + origin).reshape(-1), beams_only=True
+        )
         # New finished: merge the candidates that ended here with the old finished.
         penalised = top_logp / length_penalty(jnp.asarray(i + 1, wide), alpha)
         ended = jnp.where(is_eos & (top_logp > NEG_INF / 2), penalised, NEG_INF)
-        all_scores = jnp.concatenate([fin_scores, ended], axis=1)
-        all_seqs = jnp.concatenate([fin_seqs, seqs], axis=1)
-        fin_scores, keep = lax.top_k(all_scores, k)
-        fin_seqs = jnp.take_along_axis(all_seqs, keep[..., None], axis=1)
-        return new_live, new_logp, fin_seqs, fin_scores, cache
+        fin_scores, keep = lax.top_k(jnp.concatenate([r["fin_scores"], ended], axis=1), k)
+        new = {
+            "live_seqs": jnp.take_along_axis(seqs, pick[..., None], axis=1),
+            "live_logp": live_logp,
+            "fin_seqs": jnp.take_along_axis(
+                jnp.concatenate([r["fin_seqs"], seqs], axis=1), keep[..., None], axis=1
+            ),
+            "fin_scores": fin_scores,
+            "steps": r["steps"] + 1,
+        }
+        act = r["active"]
+        r = r | {
+            name: jnp.where(act.reshape(n, *[1] * (x.ndim - 1)), x, r[name])
+            for name, x in new.items()
+        }
+        undecided = _undecided(stop, i + 1, r["live_logp"], r["fin_scores"], alpha, r["max_lp"])
+        return r | {"active": act & undecided}, cache
 
-    carry = step(0, live_seqs, live_logp, fin_seqs, fin_scores, cache, encoded)
+    sizes = stage_sizes(b, shrink)
+    _, rows = run_shrinking(step, jnp.int32(0), rows, cache, stop_at, sizes, k)
+    return _best(rows, k, alpha)
 
-    def cond(c):
-        i, live_seqs, live_logp, fin_seqs, fin_scores, cache = c
-        undecided = _undecided(stop, i, live_logp, fin_scores, alpha, max_lp)
-        return (i < stop_at) & jnp.any(undecided)
 
-    def body(c):
-        i, *state = c
-        return (i + 1, *step(i, *state, None))
-
-    i, live_seqs, live_logp, fin_seqs, fin_scores, _ = lax.while_loop(
-        cond, body, (jnp.int32(1), *carry)
+def _best(rows: dict, k: int, alpha: float) -> tuple[Array, Array]:
+    """The k hypotheses of each row, best first. A row that stopped on its rule keeps
+    its finished hypotheses, topped up with its best live beams (scored at the length
+    they reached) where fewer than k ended; in a row that reached the length limit
+    still searching, the live beams compete with the finished ones by score."""
+    fin, live = rows["fin_scores"], rows["live_logp"]
+    lp = length_penalty(rows["steps"].astype(fin.dtype), alpha)[:, None]
+    scores = jnp.concatenate([fin, jnp.where(live > NEG_INF / 2, live / lp, NEG_INF)], axis=1)
+    seqs = jnp.concatenate([rows["fin_seqs"], rows["live_seqs"]], axis=1)
+    ended = jnp.sum(fin > NEG_INF / 2, axis=1, keepdims=True)
+    j = jnp.arange(k)[None, :]
+    topped_up = jnp.where(j < ended, j, k + j - ended)  # both parts are sorted already
+    # A stopped row ranks only those k; a row still searching at the limit, all 2k.
+    chosen = jnp.zeros(scores.shape, bool).at[jnp.arange(len(scores))[:, None], topped_up].set(True)
+    _, keep = lax.top_k(jnp.where(rows["active"][:, None] | chosen, scores, 2 * NEG_INF), k)
+    return (
+        jnp.take_along_axis(seqs, keep[..., None], axis=1),
+        jnp.take_along_axis(scores, keep, axis=1),
     )
-    # Rows short of finished hypotheses: fill with live beams scored at the length reached.
-    live_scores = live_logp / length_penalty(i.astype(wide), alpha)
-    all_scores = jnp.concatenate(
-        [fin_scores, jnp.where(live_logp > NEG_INF / 2, live_scores, NEG_INF)], axis=1
-    )
-    all_seqs = jnp.concatenate([fin_seqs, live_seqs], axis=1)
-    scores, keep = lax.top_k(all_scores, k)
-    return jnp.take_along_axis(all_seqs, keep[..., None], axis=1), scores
 
 
 def _undecided(stop: str, i, live_logp, fin_scores, alpha: float, max_lp) -> Array:
