@@ -48,6 +48,22 @@ def test_cached_greedy_equals_uncached(model_params):
     np.testing.assert_array_equal(cached, uncached)
 
 
+def test_cached_greedy_equals_uncached_with_a_lexical_shortcut():
+    """The lexical shortcut's source keys are cached at the first step like the
+    cross-attention's (its output layer starts at zero: made live here)."""
+    model = Transformer(dataclasses.replace(CFG, lexical_shortcut=True))
+    params = unbox(model.init(jax.random.key(3), SRC, SRC))["params"]
+    noise = jax.random.normal(
+        jax.random.key(4), params["decoder"]["lexical"]["out"]["kernel"].shape
+    )
+    params["decoder"]["lexical"]["out"]["kernel"] = noise
+    kw = dict(max_length=12, eos_id=1, bos_id=2)
+    cached = decoding.sample(model, params, SRC, **kw)
+    np.testing.assert_array_equal(cached, decoding.greedy_uncached(model, params, SRC, **kw))
+    beams, _ = decoding.beam_search(model, params, SRC, beam_size=1, alpha=0.0, **kw)
+    np.testing.assert_array_equal(beams[:, 0], cached)
+
+
 def test_beam_one_equals_greedy(model_params):
     model, params = model_params
     kw = dict(max_length=12, eos_id=1, bos_id=2)
@@ -500,3 +516,42 @@ def test_a_shrunk_batch_decodes_its_rows_as_the_whole_batch_and_alone(model_para
         np.testing.assert_allclose(score[0], out[4][1][r], rtol=1e-5)
         one = decoding.sample(model, params, src[r : r + 1], limit=bound[r : r + 1], **kw)
         np.testing.assert_array_equal(one[0], greedy[4][r])
+
+
+def test_block_top_k_is_lax_top_k():
+    """The beam's top-k among the blocks with the largest maxima: the same values and
+    indices as lax.top_k, ties (which go to the lower index) and a width that is not
+    a multiple of the block included."""
+    from flaxformer_lite.inference.stepping import block_top_k
+
+    rng = np.random.default_rng(0)
+    for width in (4 * 8000, 4 * 1000 + 7):
+        x = rng.normal(size=(5, width)).astype(np.float32)
+        x[1] = np.round(x[1])  # many ties
+        x[2, :] = decoding.NEG_INF  # a row with only the forced end left
+        x[2, 100] = -3.0
+        x[3, -40:] = 9.0  # the best in the last (padded) block
+        for k in (2, 8):
+            want = jax.lax.top_k(x, k)
+            got = block_top_k(jnp.asarray(x), k)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_long_beams_score_as_the_full_pass(model_params):
+    """Hypotheses of 20+ tokens (their caches reordered at every step, twice past a
+    16-position bucket) score as the full forward pass scores them."""
+    model, params = model_params
+    ids, scores = decoding.beam_search(
+        model, params, SRC, beam_size=3, alpha=0.6, max_length=32, eos_id=1, bos_id=2,
+        min_lengths=jnp.full((3,), 20),
+    )  # fmt: skip
+    for b in range(3):
+        for k in range(3):
+            seq = np.asarray(ids[b, k]).tolist()
+            n = _length(seq)
+            assert n > 20
+            labels = np.zeros(32, np.int32)
+            labels[:n] = seq[:n]
+            total = float(_label_log_probs(model, params, SRC[b], jnp.asarray(labels))[:n].sum())
+            assert total / ((5 + n) / 6) ** 0.6 == pytest.approx(float(scores[b, k]), abs=1e-3)

@@ -36,6 +36,7 @@ from jax import Array, lax
 from flaxformer_lite.config.experiment import BEAM_STOPS
 from flaxformer_lite.inference.stepping import (
     Stepper,
+    block_top_k,
     repeat_rows,
     run_shrinking,
     score_dtype,
@@ -285,7 +286,7 @@ def beam_search(
             logp, r["live_seqs"], i, eos_id, no_repeat_ngram, r["min_lengths"], r["max_lengths"]
         )
         cand = (r["live_logp"][..., None] + logp).reshape(n, k * v)
-        top_logp, top_idx = lax.top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
+        top_logp, top_idx = block_top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
         beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
         seqs = jnp.take_along_axis(r["live_seqs"], beam[..., None], axis=1)
         seqs = lax.dynamic_update_slice_in_dim(seqs, token[..., None], i, axis=2)
