@@ -108,3 +108,26 @@ def test_help_and_fields_answer_without_jax(args):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
     assert ("model.d_model" in out.stdout) if args == ["fields"] else ("--workdir" in out.stdout)
+
+
+def test_compiled_programs_are_kept_in_the_compilation_cache_folder(tmp_path):
+    """--compilation_cache points JAX's persistent cache at its folder ('' = off); a
+    folder given by JAX_COMPILATION_CACHE_DIR (the suite's own) wins."""
+    import jax
+
+    from flaxformer_lite import main
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_compilation_cache_max_size")  # fmt: skip
+    before = {n: getattr(jax.config, n) for n in names}
+    try:
+        main._keep_compiled_programs(str(tmp_path / "other"))
+        assert jax.config.jax_compilation_cache_dir == before["jax_compilation_cache_dir"]
+        jax.config.update("jax_compilation_cache_dir", None)
+        main._keep_compiled_programs("")
+        assert jax.config.jax_compilation_cache_dir is None
+        main._keep_compiled_programs(str(tmp_path / "xla"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    finally:
+        for n, value in before.items():
+            jax.config.update(n, value)

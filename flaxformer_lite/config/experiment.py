@@ -333,9 +333,9 @@ class DecodeConfig(Section):
     max_length_ratio: float = option(
         0.0, "outputs get <= ratio x source pieces + 5 (0 = off)", rule=NON_NEGATIVE
     )
-    beam_stop: str = option("current", "when a beam row is done: current (no live beam "
-        "wins at its current length), exact (none can still win), finished (beam_size "
-        "ended)", choices=BEAM_STOPS)  # fmt: skip
+    beam_stop: str = option("current", "when a beam row is done: current (beam_size "
+        "ended, the worst beats every live beam at its current length), exact (no live "
+        "beam can still win), finished (beam_size ended)", choices=BEAM_STOPS)  # fmt: skip
     batch_tokens: int = option(512, "source tokens per decoding batch (sorted by "
         "length)", rule=POSITIVE)  # fmt: skip
 

@@ -352,18 +352,25 @@ def _undecided(stop: str, i, live_logp, fin_scores, alpha: float, max_lp) -> Arr
       row may still reach (``max_lp`` = lp(L)): the result is the best-scoring
       hypothesis the beam can find, but a row of short outputs steps on towards L
       when alpha is large.
-    - ``current``: the best live beam, scored as if it ended at the next step
-      (logp / lp(i + 1)), beats the best finished one; the rule of transformers'
-      ``generate`` (``early_stopping=False``). A live beam could still gain by
-      growing longer, so it may stop before ``exact`` finds a better hypothesis; it
-      never steps on for nothing.
+    - ``current``: the rule of transformers' ``generate`` (``early_stopping=False``):
+      a row is done once ``beam_size`` hypotheses have finished and the worst of
+      them beats the best live beam scored as if it ended at the next step
+      (logp / lp(i + 1)). A live beam could still gain by growing longer, so it may
+      stop before ``exact`` finds a better hypothesis; it never steps on for nothing.
+      (Comparing with the best finished hypothesis instead stopped too early: 96.8%
+      of the demo's test outputs identical to ``exact``'s, BLEU -0.16.)
     - ``finished``: fewer than ``beam_size`` hypotheses have finished (transformers'
-      ``early_stopping=True``, and fairseq's); a row with no live beam left is done.
+      ``early_stopping=True``, and fairseq's).
+
+    A row with no live beam left is done under every rule.
     """
+    alive = live_logp[:, 0] > NEG_INF / 2
     if stop == "finished":
-        return (fin_scores[:, -1] <= NEG_INF / 2) & (live_logp[:, 0] > NEG_INF / 2)
-    reach = max_lp if stop == "exact" else length_penalty((i + 1).astype(max_lp.dtype), alpha)
-    return fin_scores[:, 0] < live_logp[:, 0] / reach
+        return (fin_scores[:, -1] <= NEG_INF / 2) & alive
+    if stop == "exact":
+        return fin_scores[:, 0] < live_logp[:, 0] / max_lp
+    reach = length_penalty((i + 1).astype(max_lp.dtype), alpha)
+    return alive & (fin_scores[:, -1] < live_logp[:, 0] / reach)
 
 
 def _constrain(logp, seqs, i, eos_id, no_repeat_ngram, min_lengths, max_lengths):
