@@ -14,7 +14,11 @@ A trained translation run's test split, on this machine's CPU cores, in one proc
   differ where the penalties rank hypotheses differently).
 
 For each row: sentences/s, output tokens/s, the share of outputs identical to ours
-(beam: to ours with the exact rule) and corpus BLEU. Writes
+(beam: to ours with the exact rule) and corpus BLEU. Ours is timed warm ``--rounds``
+times, each beside a CTranslate2 fp32 run of the same mode (this machine's speed
+drifts within a minute): its ratio is the median of the rounds' ratios, its
+sentences/s the median time's. Cold runs compile in this process, with no
+persistent compilation cache (``main`` keeps one for later processes). Writes
 benchmarks/results/decode_engines.{json,md}.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -65,6 +70,9 @@ def main() -> None:
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "ende_small"))
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="warm runs of ours, each beside one of CTranslate2"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     probe = Translator.from_workdir(args.workdir)
@@ -90,32 +98,49 @@ def main() -> None:
 
     modes = [("greedy", 1, "exact"), ("beam 4", 4, "exact"), ("beam 4", 4, "current"),
              ("beam 4", 4, "finished")]  # fmt: skip
-    for mode, beams, stop in modes:
-        # a fresh translator; its searches compile on the first call (cold)
-        translator = Translator.from_workdir(args.workdir)
-        options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
-        translator.decode = translator.decode.replace(beam_stop=stop)
-        jax.clear_caches()  # every search compiles anew: this row's first call is cold
-        before = compiles()
-        started = time.perf_counter()
-        translator.translate(texts, **options)
-        cold = time.perf_counter() - started
-        compiled = compiles() - before
-        started = time.perf_counter()
-        outputs = translator.translate(texts, **options)
-        warm = time.perf_counter() - started
-        label = "ours" if beams == 1 else f"ours ({stop})"
-        if stop == "exact":
-            reference[mode] = outputs
-        row(label, mode, outputs, warm, cold_seconds=cold, compiles=compiled)
     with tempfile.TemporaryDirectory() as tmp:
-        for fmt in ("ctranslate2", "ctranslate2-int8"):
-            folder = export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
-            for mode, beams in (("greedy", 1), ("beam 4", 4)):
-                outputs, seconds, _ = ctranslate2_outputs(
-                    folder, tokenizer.sp, texts, beams, args.alpha, run.config.decode.max_extra
-                )
-                row(fmt.replace("ctranslate2", "CTranslate2"), mode, outputs, seconds)
+        folders = {
+            fmt: export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
+            for fmt in ("ctranslate2", "ctranslate2-int8")
+        }
+
+        def engine(fmt, beams):
+            return ctranslate2_outputs(
+                folders[fmt], tokenizer.sp, texts, beams, args.alpha, run.config.decode.max_extra
+            )
+
+        engine_seconds = {}  # CTranslate2 fp32's times, measured beside ours
+        for mode, beams, stop in modes:
+            # a fresh translator; its searches compile on the first call (cold)
+            translator = Translator.from_workdir(args.workdir)
+            options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
+            translator.decode = translator.decode.replace(beam_stop=stop)
+            jax.clear_caches()  # every search compiles anew: this row's first call is cold
+            before = compiles()
+            started = time.perf_counter()
+            translator.translate(texts, **options)
+            cold = time.perf_counter() - started
+            compiled = compiles() - before
+            # This machine's speed drifts within a minute: each round times ours, then
+            # CTranslate2 fp32 on the same mode, and the ratio is the rounds' median.
+            warm, ratios = [], []
+            for _ in range(args.rounds):
+                started = time.perf_counter()
+                outputs = translator.translate(texts, **options)
+                warm.append(time.perf_counter() - started)
+                engine_outputs, seconds, _ = engine("ctranslate2", beams)
+                engine_seconds.setdefault(mode, ([], engine_outputs))[0].append(seconds)
+                ratios.append(seconds / warm[-1])
+            label = "ours" if beams == 1 else f"ours ({stop})"
+            if stop == "exact":
+                reference[mode] = outputs
+            row(label, mode, outputs, statistics.median(warm), cold_seconds=cold,
+                compiles=compiled, vs_ct2=statistics.median(ratios), ratios=ratios)  # fmt: skip
+        for mode, beams in (("greedy", 1), ("beam 4", 4)):
+            times, outputs = engine_seconds[mode]
+            row("CTranslate2", mode, outputs, statistics.median(times))
+            outputs, seconds, _ = engine("ctranslate2-int8", beams)
+            row("CTranslate2-int8", mode, outputs, seconds)
     write(args, rows, len(texts))
 
 
@@ -132,9 +157,10 @@ def write(args, rows, sentences) -> None:
     for r in rows:
         cold = f"{r['cold_seconds'] / r['seconds']:.2f}" if "cold_seconds" in r else ""
         same = "" if r["identical"] is None else f"{r['identical']:.1%}"
+        ratio = r.get("vs_ct2", r["sentences_per_s"] / ct2[r["mode"]])
         lines.append(
             f"| {r['system']} | {r['mode']} | {r['sentences_per_s']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {r['sentences_per_s'] / ct2[r['mode']]:.2f}x | {cold} | "
+            f"{r['tokens_per_s']:.0f} | {ratio:.2f}x | {cold} | "
             f"{r.get('compiles', '')} | {same} | {r['bleu']:.2f} |"
         )
     out = Path(args.out)
