@@ -2,10 +2,11 @@
 
 Legend: b batch, k beams, s source length, t decoded length, v vocabulary.
 
-Every search is one jitted program: the encoder runs once, the first step
-stores each layer's cross-attention keys/values in the cache, and a
-``lax.while_loop`` feeds one token per step through the cached decoder until
-every sentence has produced EOS (or ``max_length`` is reached). Outputs are
+Every search is one jitted program: the encoder runs once, each layer's
+cross-attention keys/values go into the cache, and a ``lax.while_loop`` feeds one
+token per step through the cached decoder until every sentence is done (or
+``max_length`` is reached); a done sentence stops changing, and once few are left
+they step on as a smaller batch (:mod:`~flaxformer_lite.inference.stepping`). Outputs are
 ``[b, t]`` token ids (``[b, k, t]`` for beams): EOS then padding after a
 sentence ends. ``max_length`` sizes the cache and the outputs (a compile-time
 constant); ``limit``, a traced value, stops the search earlier, so that batches
@@ -20,8 +21,8 @@ two seeds, or checkpoints of one run). Every member keeps its own encoding and
 cache, and the search scores the mean of the members' next-token
 probabilities, log(1/n sum_m p_m), in place of one model's log-probabilities.
 
-Above 400 lines on purpose: greedy, sampling and beam search share one stepper, its
-cache handling and the ensemble mean; split apart, each would repeat them.
+The stepper, the cache handling, the ensemble mean and the shrinking loop that the
+searches share are in :mod:`~flaxformer_lite.inference.stepping`.
 """
 
 from __future__ import annotations
@@ -112,11 +113,7 @@ def sample(
     1/shrink of the batch (:func:`~flaxformer_lite.inference.stepping.run_shrinking`;
     0 = never). Sampling never shrinks: its draws are made over the whole batch."""
     stepper = Stepper(model, params, inputs)
-    b = (
-        inputs.shape[0]
-        if inputs is not None
-        else (prefix.shape[0] if prefix is not None else batch_size)
-    )
+    b = next((x.shape[0] for x in (inputs, prefix) if x is not None), batch_size)
     cache = stepper.init_cache(b, max_length)
     rng = jax.random.key(0) if rng is None else rng
     limits = jnp.full((b,), max_length, jnp.int32) if limit is None else limit
@@ -338,10 +335,7 @@ def _best(rows: dict, k: int, alpha: float) -> tuple[Array, Array]:
     # A stopped row ranks only those k; a row still searching at the limit, all 2k.
     chosen = jnp.zeros(scores.shape, bool).at[jnp.arange(len(scores))[:, None], topped_up].set(True)
     _, keep = lax.top_k(jnp.where(rows["active"][:, None] | chosen, scores, 2 * NEG_INF), k)
-    return (
-        jnp.take_along_axis(seqs, keep[..., None], axis=1),
-        jnp.take_along_axis(scores, keep, axis=1),
-    )
+    return jnp.take_along_axis(seqs, keep[..., None], 1), jnp.take_along_axis(scores, keep, 1)
 
 
 def _undecided(stop: str, i, live_logp, fin_scores, alpha: float, max_lp) -> Array:
