@@ -272,41 +272,17 @@ def beam_search(
 
     def step(i, r, cache):
         n = r["live_seqs"].shape[0]
-        last = jnp.where(
-            i == 0,
-            bos_id,
-            lax.dynamic_index_in_dim(r["live_seqs"], jnp.maximum(i - 1, 0), 2, False),
-        )
+        previous = lax.dynamic_index_in_dim(r["live_seqs"], jnp.maximum(i - 1, 0), 2, False)
+        last = jnp.where(i == 0, bos_id, previous)
         logits, cache = stepper(cache, last.reshape(n * k, 1), repeat_rows(r["inputs"], k))
         logp = jax.nn.log_softmax(logits).reshape(n, k, v)
         logp = _constrain(
             logp, r["live_seqs"], i, eos_id, no_repeat_ngram, r["min_lengths"], r["max_lengths"]
         )
-        cand = (r["live_logp"][..., None] + logp).reshape(n, k * v)
-        top_logp, top_idx = block_top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
-        beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
-        seqs = jnp.take_along_axis(r["live_seqs"], beam[..., None], axis=1)
-        seqs = lax.dynamic_update_slice_in_dim(seqs, token[..., None], i, axis=2)
-        is_eos = token == eos_id
-        # New live beams: the k best candidates that did not end.
-        live_logp, pick = lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)
-        origin = jnp.take_along_axis(beam, pick, axis=1)
+        new, origin = _advance(r, logp, i, eos_id, alpha)
         cache = take_cache_rows(
             cache, (jnp.arange(n)[:, None] * k + origin).reshape(-1), beams_only=True
         )
-        # New finished: merge the candidates that ended here with the old finished.
-        penalised = top_logp / length_penalty(jnp.asarray(i + 1, wide), alpha)
-        ended = jnp.where(is_eos & (top_logp > NEG_INF / 2), penalised, NEG_INF)
-        fin_scores, keep = lax.top_k(jnp.concatenate([r["fin_scores"], ended], axis=1), k)
-        new = {
-            "live_seqs": jnp.take_along_axis(seqs, pick[..., None], axis=1),
-            "live_logp": live_logp,
-            "fin_seqs": jnp.take_along_axis(
-                jnp.concatenate([r["fin_seqs"], seqs], axis=1), keep[..., None], axis=1
-            ),
-            "fin_scores": fin_scores,
-            "steps": r["steps"] + 1,
-        }
         act = r["active"]
         r = r | {
             name: jnp.where(act.reshape(n, *[1] * (x.ndim - 1)), x, r[name])
@@ -318,6 +294,32 @@ def beam_search(
     sizes = stage_sizes(b, shrink)
     _, rows = run_shrinking(step, jnp.int32(0), rows, cache, stop_at, sizes, k)
     return _best(rows, k, alpha)
+
+
+def _advance(r: dict, logp: Array, i, eos_id: int, alpha: float) -> tuple[dict, Array]:
+    """From the live beams' next-token ``logp [n, k, v]``: the new live beams (the k best
+    candidates that did not end), the finished ones with those ending here, and each
+    new live beam's origin ``[n, k]`` (the beam whose cache rows it continues)."""
+    n, k, v = logp.shape
+    cand = (r["live_logp"][..., None] + logp).reshape(n, k * v)
+    top_logp, top_idx = block_top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
+    beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
+    seqs = jnp.take_along_axis(r["live_seqs"], beam[..., None], axis=1)
+    seqs = lax.dynamic_update_slice_in_dim(seqs, token[..., None], i, axis=2)
+    is_eos = token == eos_id
+    live_logp, pick = lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)
+    penalised = top_logp / length_penalty(jnp.asarray(i + 1, top_logp.dtype), alpha)
+    ended = jnp.where(is_eos & (top_logp > NEG_INF / 2), penalised, NEG_INF)
+    fin_scores, keep = lax.top_k(jnp.concatenate([r["fin_scores"], ended], axis=1), k)
+    fin_seqs = jnp.concatenate([r["fin_seqs"], seqs], axis=1)
+    new = {
+        "live_seqs": jnp.take_along_axis(seqs, pick[..., None], axis=1),
+        "live_logp": live_logp,
+        "fin_seqs": jnp.take_along_axis(fin_seqs, keep[..., None], axis=1),
+        "fin_scores": fin_scores,
+        "steps": r["steps"] + 1,
+    }
+    return new, jnp.take_along_axis(beam, pick, axis=1)
 
 
 def _best(rows: dict, k: int, alpha: float) -> tuple[Array, Array]:
@@ -388,12 +390,6 @@ def _constrain(logp, seqs, i, eos_id, no_repeat_ngram, min_lengths, max_lengths)
 
 def strip(ids, eos_id: int) -> list[list[int]]:
     """Token lists up to (not including) the first EOS or padding."""
-    out = []
-    for row in jax.device_get(ids).tolist():
-        seq = []
-        for t in row:
-            if t in (eos_id, 0):
-                break
-            seq.append(t)
-        out.append(seq)
-    return out
+    rows = jax.device_get(ids).tolist()
+    ends = [next((j for j, t in enumerate(row) if t in (eos_id, 0)), len(row)) for row in rows]
+    return [row[:end] for row, end in zip(rows, ends, strict=True)]
