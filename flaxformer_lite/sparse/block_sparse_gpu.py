@@ -1,0 +1,320 @@
+"""Fused block-sparse attention for GPUs: any static pattern, its tiles from one plan.
+
+  out_i = sum_{j allowed(i, j)} softmax_j(q_i . k_j * scale) v_j
+
+One flash-attention forward and backward (three Pallas kernels, lowered by Triton on
+a GPU and run by Pallas' interpreter elsewhere) whose loops run over the tiles of a
+:class:`~flaxformer_lite.sparse.tiles.TilePlan`: the forward and dq kernels over each
+query tile's list of key tiles, the dk/dv kernel over each key tile's list of query
+tiles. A full tile is computed without a mask; a partial one under its mask, read from
+the plan's few distinct masks. Nothing is gathered and no tile outside the lists is
+read, so the work is the pattern's tiles, not ``n^2``; the online softmax runs across
+all of them, whatever part of the pattern (window, global columns and rows, random
+blocks) put them in the list.
+
+Every pattern of the catalogue and their unions and intersections run here, causal or
+not: the plan evaluates the pattern's exact rule (``allows``), so a random pattern has
+the blocks the blocked kernel draws. The band kernel (:mod:`~flaxformer_lite.sparse.
+band_gpu`) computes its window bounds from the block index instead of a table, and
+stays the path for a pure two-sided window.
+
+Layout ``[b, n, h, d]``; ``n`` is padded to the tiles (padded pairs are masked by the
+plan) and the head size to a power of two of at least 16; float32 accumulation,
+inputs in their own dtype. Optional segment ids (packed rows; 0 = padding), as in the
+blocked kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flaxformer_lite.sparse.band_gpu import (
+    _NEG,
+    _compiler_params,
+    _pad_heads,
+    _rows,
+    _segment_specs,
+    _specs,
+    _tile_width,
+)
+from flaxformer_lite.sparse.tiles import TilePlan, tile_plan
+
+Array = jax.Array
+
+
+def _allowed(mask_ref, mid, qs, ks) -> Array:
+    """[bq, bk] bool: the tile's mask (``masks[0]`` = full), and with segment ids the
+    same example and not padding."""
+    ok = mask_ref[mid] != 0
+    if qs is not None:
+        ok = ok & (qs[:, None] == ks[None, :]) & (ks[None, :] != 0)
+    return ok
+
+
+def _key_tile(q, t, *, row, tiles_ref, mids_ref, mask_ref, k_ref, v_ref, ks_ref, qs, scale, bk):
+    """The t-th listed key tile of query tile ``row``: (k, v, float32 scores, allowed)."""
+    start = pl.multiple_of(tiles_ref[row, t] * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = plgpu.dot(q, k.T) * scale
+    ks = None if qs is None else ks_ref[pl.ds(start, bk)]
+    return k, v, s, _allowed(mask_ref, mids_ref[row, t], qs, ks)
+
+
+def _split(refs, segmented: bool, n_in: int):
+    """(inputs, query ids, key ids, outputs) of a kernel's refs: the segment ids sit
+    after the ``n_in`` other inputs when present."""
+    if segmented:
+        return refs[:n_in], refs[n_in], refs[n_in + 1], refs[n_in + 2 :]
+    return refs[:n_in], None, None, refs[n_in:]
+
+
+def _forward_kernel(*refs, scale, bk, segmented):
+    ins, qs_ref, ks_ref, (o_ref, lse_ref) = _split(refs, segmented, 7)
+    count_ref, tiles_ref, mids_ref, mask_ref, q_ref, k_ref, v_ref = ins
+    i = pl.program_id(0)
+    bq = q_ref.shape[0]
+    q = q_ref[...]
+    qs = None if qs_ref is None else qs_ref[...]
+    tile = functools.partial(
+        _key_tile, q, row=i, tiles_ref=tiles_ref, mids_ref=mids_ref, mask_ref=mask_ref,
+        k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, qs=qs, scale=scale, bk=bk,
+    )  # fmt: skip
+
+    def body(t, carry):
+        acc, m, l = carry
+        _, v, s, ok = tile(t)
+        s = jnp.where(ok, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
+        jnp.full((bq,), _NEG, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(0, count_ref[i], body, init)
+    l_safe = jnp.where(l > 0, l, 1.0)  # a query with no allowed key (padding) gives 0
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l_safe)
+
+
+def _dkdv_kernel(*refs, scale, bq, segmented):
+    ins, qs_ref, ks_ref, (dk_ref, dv_ref) = _split(refs, segmented, 10)
+    count_ref, tiles_ref, mids_ref, mask_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+    j = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    ks = None if ks_ref is None else ks_ref[...]
+
+    def body(t, carry):
+        dk, dv = carry
+        start = pl.multiple_of(tiles_ref[j, t] * bq, bq)
+        q = q_ref[pl.ds(start, bq), :]
+        do = do_ref[pl.ds(start, bq), :]
+        lse = lse_ref[pl.ds(start, bq)]
+        delta = delta_ref[pl.ds(start, bq)]
+        s = plgpu.dot(q, k.T) * scale
+        qs = None if ks is None else qs_ref[pl.ds(start, bq)]
+        ok = _allowed(mask_ref, mids_ref[j, t], qs, ks)
+        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+        dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
+        dp = plgpu.dot(do, v.T)
+        ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
+        dk = dk + plgpu.dot(ds.T, q)
+        return dk, dv
+
+    init = (
+        jnp.zeros((k_ref.shape[0], k_ref.shape[-1]), jnp.float32),
+        jnp.zeros((v_ref.shape[0], v_ref.shape[-1]), jnp.float32),
+    )
+    dk, dv = lax.fori_loop(0, count_ref[j], body, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, scale, bk, segmented):
+    ins, qs_ref, ks_ref, (dq_ref,) = _split(refs, segmented, 10)
+    count_ref, tiles_ref, mids_ref, mask_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+    i = pl.program_id(0)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    qs = None if qs_ref is None else qs_ref[...]
+    tile = functools.partial(
+        _key_tile, q, row=i, tiles_ref=tiles_ref, mids_ref=mids_ref, mask_ref=mask_ref,
+        k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, qs=qs, scale=scale, bk=bk,
+    )  # fmt: skip
+
+    def body(t, dq):
+        k, v, s, ok = tile(t)
+        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+        dp = plgpu.dot(do, v.T)
+        ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
+        return dq + plgpu.dot(ds, k)
+
+    dq = lax.fori_loop(0, count_ref[i], body, jnp.zeros((q.shape[0], q.shape[-1]), jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _whole(x) -> pl.BlockSpec:
+    """Every program reads the whole (small) table."""
+    return pl.BlockSpec(x.shape, lambda t, r: (0,) * x.ndim)
+
+
+def _tables(plan: TilePlan, transpose: bool) -> tuple[Array, ...]:
+    """(counts, tiles, mask ids, masks) of the query tiles' lists (or the key tiles')."""
+    if transpose:
+        lists = plan.q_count, plan.q_tiles, plan.q_masks
+    else:
+        lists = plan.kv_count, plan.kv_tiles, plan.kv_masks
+    return (*(jnp.asarray(x) for x in lists), jnp.asarray(plan.masks))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attend(q, k, v, segs, plan, scale, interpret):
+    return _attend_fwd(q, k, v, segs, plan, scale, interpret)[0]
+
+
+def _attend_fwd(q, k, v, segs, plan, scale, interpret):
+    bh, m, d = q.shape
+    bq, bk = plan.bq, plan.bk
+    tables = _tables(plan, transpose=False)
+    tile, whole = _specs(m)
+    in_specs = [*map(_whole, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
+    extra = ()
+    if segs is not None:
+        seg_tile, seg_whole = _segment_specs(segs, bh, m)
+        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], (segs, segs)
+    out, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, scale=scale, bk=bk, segmented=segs is not None),
+        grid=(m // bq, bh),
+        in_specs=in_specs,
+        out_specs=[tile(bq, v.shape[-1]), pl.BlockSpec((None, bq), lambda t, r: (r, t))],
+        out_shape=[
+            jax.ShapeDtypeStruct((bh, m, v.shape[-1]), q.dtype),
+            jax.ShapeDtypeStruct((bh, m), jnp.float32),
+        ],
+        compiler_params=_compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name="block_sparse_attention_forward",
+    )(*tables, q, k, v, *extra)
+    return out, (q, k, v, segs, out, lse)
+
+
+def _attend_bwd(plan, scale, interpret, res, g):
+    q, k, v, segs, out, lse = res
+    bh, m, d = q.shape
+    bq, bk, dv_dim = plan.bq, plan.bk, v.shape[-1]
+    delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+    g = g.astype(q.dtype)
+    tile, whole = _specs(m)
+    whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
+    tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
+    by_key, by_query = _tables(plan, transpose=True), _tables(plan, transpose=False)
+    dkdv_specs = [*map(_whole, by_key), whole(d), tile(bk, d), tile(bk, dv_dim), whole(dv_dim),
+                  whole_vec, whole_vec]  # fmt: skip
+    dq_specs = [*map(_whole, by_query), tile(bq, d), whole(d), whole(dv_dim), tile(bq, dv_dim),
+                tile_vec, tile_vec]  # fmt: skip
+    extra = ()
+    if segs is not None:
+        seg_tile, seg_whole = _segment_specs(segs, bh, m)
+        dkdv_specs += [seg_whole, seg_tile(bk)]  # query ids whole, key ids of the tile
+        dq_specs += [seg_tile(bq), seg_whole]
+        extra = (segs, segs)
+    segmented = segs is not None
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=scale, bq=bq, segmented=segmented),
+        grid=(m // bk, bh),
+        in_specs=dkdv_specs,
+        out_specs=[tile(bk, d), tile(bk, dv_dim)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name="block_sparse_attention_dkdv",
+    )(*by_key, q, k, v, g, lse, delta, *extra)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, bk=bk, segmented=segmented),
+        grid=(m // bq, bh),
+        in_specs=dq_specs,
+        out_specs=tile(bq, d),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name="block_sparse_attention_dq",
+    )(*by_query, q, k, v, g, lse, delta, *extra)
+    return dq, dk, dv, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def block_sparse_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    pattern,
+    *,
+    scale: float | None = None,
+    block_q: int = 64,
+    block_k: int = 64,
+    segments: Array | None = None,
+    interpret: bool | None = None,
+    plan: TilePlan | None = None,
+) -> Array:
+    """``[b, n, h, d] x3 -> [b, n, h, dv]``: query i attends to the keys j that
+    ``pattern`` allows (any static pattern of :mod:`~flaxformer_lite.sparse.patterns`).
+
+    Args:
+      pattern: the pattern (causal or not); its tiles come from
+        :func:`~flaxformer_lite.sparse.tiles.tile_plan`, built once per length.
+      scale: logit scale; default ``1/sqrt(d)``.
+      block_q, block_k: tile sizes (powers of two, >= 16 for the tensor cores).
+      segments: ``[b, n]`` int ids: a query sees keys of its own id only; id 0 is
+        padding (sees and is seen by nothing; its output is 0). None: one sequence per row.
+      interpret: run through Pallas' interpreter; default: everywhere but on a GPU.
+      plan: a plan to use instead of the pattern's (tests of the kernel's use of it).
+
+    A query that no key is allowed to (padding, or a pattern's empty row) gives 0.
+    """
+    b, n, h, d = query.shape
+    if key.shape[:3] != (b, n, h) or value.shape[:3] != (b, n, h):
+        raise ValueError(
+            f"block_sparse_attention is self-attention over one length: query {query.shape}, "
+            f"key {key.shape}, value {value.shape}; pass [b, n, h, d] arrays of one b, n, h"
+        )
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk < 16 or blk & (blk - 1):
+            raise ValueError(f"block_sparse_attention: {name}={blk} must be a power of two >= 16")
+    if segments is not None and segments.shape != (b, n):
+        raise ValueError(f"block_sparse_attention: segments {segments.shape}, expected {(b, n)}")
+    if plan is None:
+        plan = tile_plan(pattern, n, block_q, block_k)
+    elif (plan.n, plan.bq, plan.bk) != (n, block_q, block_k):
+        raise ValueError(
+            f"block_sparse_attention: the plan is for n={plan.n}, tiles {plan.bq}x{plan.bk}; "
+            f"the inputs have n={n}, tiles {block_q}x{block_k}"
+        )
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    dv = value.shape[-1]
+    query, key, value = (
+        _pad_heads(query, _tile_width(d)),
+        _pad_heads(key, _tile_width(d)),
+        _pad_heads(value, _tile_width(dv)),
+    )
+    (q, m), (k, _), (v, _) = (_rows(x, max(block_q, block_k)) for x in (query, key, value))
+    segs = None
+    if segments is not None:
+        segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    out = _attend(q, k, v, segs, plan, scale, bool(interpret))
+    return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)
