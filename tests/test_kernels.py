@@ -184,7 +184,19 @@ def test_cudnn_windows_are_left_only():
     assert kernels.cudnn_computes(P.Local(16).causal())
     assert not kernels.cudnn_computes(P.Local(16))  # two-sided: the band kernel runs it
     with pytest.raises(ValueError, match="not Dilated"):
-        kernels.cudnn_computes(P.Dilated(4, 2))
+        kernels.cudnn_window(P.Dilated(4, 2))
+
+
+def test_each_pattern_has_its_gpu_kernel():
+    """cuDNN for what it computes, the band kernel for a two-sided window, the
+    block-sparse kernel for everything else static; top-k has none."""
+    assert kernels.gpu_kernel(P.Full().causal()) == "cudnn"
+    assert kernels.gpu_kernel(P.Local(16).causal()) == "cudnn"
+    assert kernels.gpu_kernel(P.Local(16)) == "band"
+    for pattern in (P.Dilated(4, 2), P.bigbird(16, 3, 1, 1), P.Local(8).causal() | P.Strided(8)):
+        assert kernels.gpu_kernel(pattern) == "block_sparse"
+    with pytest.raises(ValueError, match="topk attention's keys depend on the scores"):
+        kernels.gpu_kernel(P.TopK(8))
 
 
 SPLASH_PATTERNS = {
@@ -349,6 +361,7 @@ def test_the_transformer_with_cudnn_attention_on_packed_rows(cudnn_run):
     "impl,pattern",
     [
         ("cudnn", "local:window=8"),
+        ("cudnn", "bigbird;sparse_strided:stride=16"),
         ("splash", "local:window=8;bigbird"),
         pytest.param("cudnn-on-gpu", "local:window=8", marks=pytest.mark.gpu),
     ],
@@ -408,8 +421,9 @@ def test_fused_kernels_refuse_what_they_cannot_compute():
         ConfigError, match="attention_impl=splash runs the sparse attention_pattern"
     ):
         BASE.replace(attention_impl="splash")
-    with pytest.raises(ConfigError, match="computes dense, causal and local-window attention, not"):
-        BASE.replace(attention_impl="cudnn", attention_pattern="bigbird", attention_block_size=16)
+    with pytest.raises(ConfigError, match="topk attention's keys depend on the scores"):
+        BASE.replace(attention_impl="cudnn", attention_pattern="local:window=8;topk:k=4")
+    BASE.replace(attention_impl="cudnn", attention_pattern="bigbird", attention_block_size=16)
     with pytest.raises(ConfigError, match="score_fn='additive' with model.attention_impl=cudnn"):
         BASE.replace(attention_impl="cudnn", score_fn="additive")
     with pytest.raises(ConfigError, match="no dropout on the attention"):
@@ -418,3 +432,25 @@ def test_fused_kernels_refuse_what_they_cannot_compute():
         BASE.replace(attention_impl="cudnn", dtype="float64")
     with pytest.raises(ConfigError, match="a multiple of 8 and at most 256.*d_k is 12"):
         BASE.replace(attention_impl="cudnn", d_model=48, num_heads=4)
+
+
+def test_the_kernel_of_each_layer_is_named():
+    """What a run prints at start-up: per stack and layer (alike layers as one entry),
+    each head group's pattern and the kernel that runs it."""
+    from flaxformer_lite.model.build import attention_kernels
+
+    config = BASE.replace(
+        attention_impl="cudnn", attention_pattern="bigbird;local:window=8|full",
+        attention_block_size=16, num_encoder_layers=3, num_decoder_layers=2,
+    )  # fmt: skip
+    line = attention_kernels(config, "translation")
+    assert line.startswith(
+        "attention (attention_impl=cudnn): encoder layer 0: bigbird -> the "
+        "block-sparse kernel (Triton), local:window=8 -> the band kernel"
+    )
+    assert (
+        "decoder layer 0: causal bigbird -> the block-sparse kernel (Triton), causal "
+        "local:window=8 -> cuDNN's fused kernel; decoder layer 1: causal full -> cuDNN"
+    ) in line
+    dense = attention_kernels(BASE.replace(num_decoder_layers=4), "lm")
+    assert dense == "attention (attention_impl=blocked): decoder layers 0-3: dense -> XLA"

@@ -116,7 +116,8 @@ class ModelConfig(Section):
     )
     attention_impl: str = option(
         "blocked", "kernel: blocked (ours, any platform) | reference (sparse as a dense "
-        "mask) | chunked (dense, O(n) memory) | cudnn (GPU fused: dense, causal, local) | "
+        "mask) | chunked (dense, O(n) memory) | cudnn (GPU fused: cuDNN for dense/causal, "
+        "Triton block-sparse for any other pattern) | "
         "splash (TPU, sparse patterns)",
         choices=ATTENTION_IMPLS,
     )  # fmt: skip

@@ -62,7 +62,7 @@ KERNELS = {
     "reference": Kernel("a sparse pattern as a dense mask", dense=True, sparse=True,
                         any_score=True, attention_dropout=True),
     "chunked": Kernel("dense attention by chunks", dense=True, sparse=False),
-    "cudnn": Kernel("cuDNN's fused kernel", dense=True, sparse=True, float64=False,
+    "cudnn": Kernel("the fused GPU kernels", dense=True, sparse=True, float64=False,
                     head_sizes="a multiple of 8 and at most 256 (128 before Hopper)"),
     "splash": Kernel("TPU splash attention", dense=False, sparse=True),
 }  # fmt: skip
@@ -73,7 +73,7 @@ SPARSE_NEEDS_DOT = ("blocked", "reference")
 
 def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
     """(causal, left window w: keys ``i-w..i``) of a pattern cuDNN's kernel computes, or
-    ValueError. A two-sided Local band is not among them (see :func:`cudnn_computes`)."""
+    ValueError. A two-sided Local band is not among them (see :func:`gpu_kernel`)."""
     if type(pattern) is P.Full:
         return pattern.is_causal, None
     if type(pattern) is P.Local and pattern.is_causal:
@@ -84,18 +84,37 @@ def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
             "is two-sided; it runs on the band kernel (sparse/band_gpu.py)"
         )
     raise ValueError(
-        f"attention_impl=cudnn computes dense, causal and local-window attention, not "
-        f"{type(pattern).__name__}; use attention_impl=blocked (or splash on a TPU)"
+        f"cuDNN computes dense, causal and local-window attention, not "
+        f"{type(pattern).__name__}; it runs on the block-sparse kernel (sparse/block_sparse_gpu.py)"
     )
 
 
+# The kernels that attention_impl=cudnn runs a head group on, by its pattern: cuDNN for
+# dense, causal and causal-window attention; the project's band kernel for a two-sided
+# window; the project's fused block-sparse kernel for every other static pattern.
+GPU_KERNELS = {
+    "cudnn": "cuDNN's fused kernel",
+    "band": "the band kernel (Triton)",
+    "block_sparse": "the block-sparse kernel (Triton)",
+}
+
+
+def gpu_kernel(pattern: P.Pattern) -> str:
+    """The :data:`GPU_KERNELS` entry that runs ``pattern`` under ``attention_impl=cudnn``;
+    ValueError for top-k attention (its keys depend on the scores: no fused kernel)."""
+    if isinstance(pattern, P.TopK):
+        raise ValueError(
+            "topk attention's keys depend on the scores, so no fused GPU kernel computes "
+            "it; use attention_impl=blocked for that head group's model"
+        )
+    if type(pattern) is P.Full or (type(pattern) is P.Local and pattern.is_causal):
+        return "cudnn"
+    return "band" if type(pattern) is P.Local else "block_sparse"
+
+
 def cudnn_computes(pattern: P.Pattern) -> bool:
-    """True if cuDNN's kernel computes ``pattern``; False for a two-sided Local band (the
-    model runs that head group on the band kernel); ValueError for anything else."""
-    if type(pattern) is P.Local and not pattern.is_causal:
-        return False
-    cudnn_window(pattern)
-    return True
+    """True if cuDNN's own kernel computes ``pattern`` (see :func:`gpu_kernel`)."""
+    return gpu_kernel(pattern) == "cudnn"
 
 
 # The model -------------------------------------------------------------------------------
@@ -213,7 +232,7 @@ def _check_kernel(c: Any, layers: list | None) -> None:
         for layer in layers or ():
             for pattern in layer:
                 try:
-                    cudnn_computes(pattern)
+                    gpu_kernel(pattern)
                 except ValueError as e:
                     raise ConfigError(
                         f"model.attention_pattern={c.attention_pattern!r}: {e}"

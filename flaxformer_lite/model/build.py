@@ -7,9 +7,12 @@ import flax.linen as nn
 
 from flaxformer_lite.config.experiment import TASKS
 from flaxformer_lite.config.model import ModelConfig
+from flaxformer_lite.config.rules import GPU_KERNELS, gpu_kernel
 from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer
+from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse import spec
 
 MODELS = {"translation": Transformer, "lm": LanguageModel, "recall": LanguageModel,
           "classify": Classifier}  # fmt: skip
@@ -23,3 +26,52 @@ def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Modu
 
 
 __all__ = ["Classifier", "LanguageModel", "Transformer", "build_model"]
+
+
+# How each impl names the kernel of a dense self-attention layer.
+_DENSE_KERNELS = {"cudnn": "cuDNN", "chunked": "chunked XLA", "splash": "splash"}
+_SPARSE_KERNELS = {"blocked": "blocked kernel", "reference": "dense mask", "splash": "splash"}
+
+
+def attention_kernels(c: ModelConfig, task: str = "translation") -> str:
+    """One line: which kernel runs each self-attention layer's head groups under
+    ``model.attention_impl`` (consecutive layers alike are one entry), as a run prints
+    it at start-up; e.g. ``encoder layers 0-5: bigbird -> block-sparse kernel``."""
+    stacks = [("decoder", c.num_decoder_layers, True)]
+    if task == "translation":
+        stacks = [("encoder", c.num_encoder_layers, False), *stacks]
+    elif task == "classify":
+        stacks = [("encoder", c.num_encoder_layers, False)]
+    parts = []
+    for name, layers, causal in stacks:
+        runs: list[tuple[int, int, str]] = []
+        for layer in range(layers):
+            what = _layer_kernels(c, layer, causal)
+            if runs and runs[-1][2] == what:
+                runs[-1] = (runs[-1][0], layer, what)
+            else:
+                runs.append((layer, layer, what))
+        for first, last, what in runs:
+            span = f"layer {first}" if first == last else f"layers {first}-{last}"
+            parts.append(f"{name} {span}: {what}")
+    return f"attention (attention_impl={c.attention_impl}): " + "; ".join(parts)
+
+
+def _layer_kernels(c: ModelConfig, layer: int, causal: bool) -> str:
+    if not c.sparse_attention:
+        return "dense -> " + _DENSE_KERNELS.get(c.attention_impl, "XLA")
+    texts = spec.parse_spec_texts(c.attention_pattern, layer)
+    patterns = spec.layer_patterns(
+        c.attention_pattern, layer, c.num_heads, block_size=c.attention_block_size,
+        seed=c.attention_seed, causal=causal,
+    )  # fmt: skip
+    out = []
+    for text, pattern in zip(texts, patterns, strict=True):
+        if c.attention_impl == "cudnn":
+            kernel = GPU_KERNELS[gpu_kernel(pattern)]
+        elif isinstance(pattern, P.TopK):
+            kernel = "top-k kernel"
+        else:
+            kernel = _SPARSE_KERNELS.get(c.attention_impl, c.attention_impl)
+        out.append(f"{'causal ' if causal else ''}{text} -> {kernel}")
+    return ", ".join(out)

@@ -20,6 +20,7 @@ from flaxformer_lite.model import kernels
 from flaxformer_lite.model.attention import attention_weights, dot_product_attention
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.band_gpu import band_attention
+from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
 from flaxformer_lite.sparse.blocked import sparse_attention
 from flaxformer_lite.sparse.online_softmax import segment_mask
 from flaxformer_lite.sparse.spec import PatternSpecError
@@ -43,11 +44,12 @@ def multihead_sparse_attention(
 ) -> Array:
     """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
 
-    ``impl=cudnn`` runs the groups cuDNN computes on it and a two-sided Local band on
-    the project's band kernel (:mod:`flaxformer_lite.sparse.band_gpu`, which skips the
-    key blocks outside the window as cuDNN's left-only window does); ``packed``: rows
-    hold several examples (``segments`` from the batch's segmentation), for cuDNN's
-    packed layout."""
+    ``impl=cudnn`` runs each group on the fused GPU kernel for its pattern
+    (:func:`~flaxformer_lite.config.rules.gpu_kernel`): cuDNN for dense, causal and
+    causal-window groups, the project's band kernel for a two-sided window, its
+    block-sparse kernel (:mod:`flaxformer_lite.sparse.block_sparse_gpu`) for every other
+    pattern; ``packed``: rows hold several examples (``segments`` from the batch's
+    segmentation), for cuDNN's packed layout."""
     h = query.shape[2]
     per = h // len(patterns)
     outs = []
@@ -58,20 +60,25 @@ def multihead_sparse_attention(
             return kernels.splash_attention(
                 query, key, value, patterns, segments=segments, scale=scale
             )
-        if impl == "cudnn" and kernels.cudnn_computes(pattern):
+        gpu = kernels.gpu_kernel(pattern) if impl == "cudnn" else None
+        if gpu == "cudnn":
             outs.append(
                 kernels.cudnn_attention(
                     q, k, v, pattern=pattern, q_segments=segments, packed=packed, scale=scale
                 )
             )
-        elif impl == "cudnn" and type(pattern) is P.Local:  # two-sided: not cuDNN's
-            interpret = kernels.platform_mode("cudnn") != "cudnn"  # CPU: the interpreter
-            outs.append(
-                band_attention(
+        elif gpu is not None:  # the project's Triton kernels (the interpreter on CPU)
+            interpret = kernels.platform_mode("cudnn") != "cudnn"
+            if gpu == "band":  # a two-sided window: not cuDNN's
+                out = band_attention(
                     q, k, v, left=pattern.window, right=pattern.window, scale=scale,
                     segments=segments, interpret=interpret,
+                )  # fmt: skip
+            else:
+                out = block_sparse_attention(
+                    q, k, v, pattern, scale=scale, segments=segments, interpret=interpret
                 )
-            )  # fmt: skip
+            outs.append(out)
         elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
             outs.append(
                 topk_attention(
@@ -80,7 +87,7 @@ def multihead_sparse_attention(
                     kv_segments=segments, query_block=min(block_size, 128),
                 )
             )  # fmt: skip
-        elif impl in ("blocked", "cudnn"):
+        elif impl == "blocked":
             outs.append(
                 sparse_attention(
                     q, k, v, pattern, block_size=block_size, q_segments=segments,

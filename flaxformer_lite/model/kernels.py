@@ -3,9 +3,12 @@
 * ``cudnn``: cuDNN's fused flash-attention kernel on NVIDIA GPUs (through
   ``jax.nn.dot_product_attention``, and jax's cuDNN module for packed rows) for dense,
   causal and causal local-window attention (``attention_pattern`` dense, ``full`` or
-  ``local:window=w``, per head group; a two-sided window runs on the project's band
-  kernel, :mod:`flaxformer_lite.sparse.band_gpu`, which skips blocks as cuDNN does).
-  Its limits and how each is met are listed above :class:`CudnnCall`.
+  ``local:window=w``, per head group). The other head groups run on the project's
+  Triton kernels: a two-sided window on the band kernel
+  (:mod:`flaxformer_lite.sparse.band_gpu`), every other static pattern on the
+  block-sparse kernel (:mod:`flaxformer_lite.sparse.block_sparse_gpu`); which kernel
+  runs which pattern is :func:`gpu_kernel` (config/rules.py). cuDNN's limits and how
+  each is met are listed above :class:`CudnnCall`.
 * ``splash``: TPU splash attention (Pallas) for any of the project's sparse
   patterns: ``Full`` -> ``FullMask``/``CausalMask``, ``Local`` -> ``LocalMask``,
   a causal one-block ``BlockLocal`` -> ``ChunkedCausalMask``, anything else -> a
@@ -30,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from flaxformer_lite.config.rules import cudnn_computes, cudnn_window
+from flaxformer_lite.config.rules import GPU_KERNELS, cudnn_computes, cudnn_window, gpu_kernel
 from flaxformer_lite.sparse import patterns as P
 
-__all__ = ["CudnnCall", "cudnn_attention", "cudnn_call", "cudnn_computes", "cudnn_window",
-           "platform_mode", "splash_attention"]  # fmt: skip
+__all__ = ["GPU_KERNELS", "CudnnCall", "cudnn_attention", "cudnn_call", "cudnn_computes",
+           "cudnn_window", "gpu_kernel", "platform_mode", "splash_attention"]  # fmt: skip
 
 FUSED = ("cudnn", "splash")
 

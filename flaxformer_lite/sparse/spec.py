@@ -187,6 +187,12 @@ def parse_spec(spec: str, block_size: int = 64, seed: int = 0) -> list[list[P.Pa
     ]
 
 
+def parse_spec_texts(spec: str, layer: int) -> list[str]:
+    """The head groups of layer ``layer`` as written in the spec (layers cycle)."""
+    layers = spec.split("|")
+    return layers[layer % len(layers)].split(";")
+
+
 def layer_patterns(
     spec: str, layer: int, num_heads: int, *, block_size: int, seed: int, causal: bool
 ) -> list[P.Pattern]:

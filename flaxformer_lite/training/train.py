@@ -18,7 +18,7 @@ from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.data import pipeline
 from flaxformer_lite.inference import diagnostics
 from flaxformer_lite.inference.evaluation import validation_bleu
-from flaxformer_lite.model.build import build_model
+from flaxformer_lite.model.build import attention_kernels, build_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, startup
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Pace, Throughput, check_finite
@@ -131,6 +131,8 @@ class Trainer:
             f"parallelism={par.kind}"
             + (f", mesh {par.shape} (data x fsdp x model)" if par.kind == "jit" else "")
         )
+        if c.sparse_attention or c.attention_impl in ("cudnn", "splash"):
+            print(attention_kernels(c, d.task))  # which kernel runs each layer
         self.iterator = startup.train_iterator(config, data)
         self.checkpoints = ckpt_lib.Checkpoints(
             workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
