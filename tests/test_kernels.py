@@ -236,6 +236,22 @@ def _splash_against_blocked(patterns, heads):
     _check(fn, ref, (q, k, v), np.asarray(seg) > 0)
 
 
+def test_splash_reads_its_mask_from_the_tile_plan():
+    """A pattern splash has no mask class for is read from the block-sparse kernel's
+    tile plan: every slice splash may ask for (blocks, whole columns, unaligned
+    rectangles) equals the pattern's dense mask there."""
+    n = 384
+    pattern = P.bigbird(block_size=32, window_blocks=3, global_blocks=1, random_blocks=2)
+    for p in (pattern, pattern.causal(), P.Strided(24) | P.Global((5, -1))):
+        mask, dense = kernels._splash_mask(p, n, 128), p.mask(n)
+        for rows, cols in [
+            (slice(0, 128), slice(128, 256)), (slice(None), slice(200, 201)),
+            (slice(37, 300), slice(5, 383)), (slice(None), slice(None)),
+        ]:  # fmt: skip
+            np.testing.assert_array_equal(mask[rows, cols], dense[rows, cols])
+        assert hash(mask) == hash(kernels._splash_mask(p, n, 128))
+
+
 @pytest.mark.slow
 def test_splash_matches_the_blocked_kernel():
     """One head per pattern, packed rows: a CausalMask, a LocalMask, a ChunkedCausalMask
