@@ -34,6 +34,9 @@ the rows it did not reach are listed as such):
   band kernel (sparse/band_gpu.py: causal and two-sided window, causal and dense), and
   forward-only rows ("... fwd", FLOPs x1) of the causal window for cuDNN, tokamax and
   the band kernel, which tell whether a kernel's forward or backward fails to skip.
+  The fused block-sparse kernel (sparse/block_sparse_gpu.py) on BigBird, Longformer,
+  the Sparse Transformer's strided and fixed (causal, stride 128), dilated and the
+  two-sided window, each against cuDNN's dense (or causal) kernel.
   ``--kernels`` picks rows by name.
 * ``decode``: cached greedy and beam-4 new tokens/s at batch 1 and 64 (source 32, 64
   new tokens, EOS never emitted so every row does the full work), ende_small and
@@ -59,7 +62,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM, TFLOP/s x 1e12
 SECTIONS = ("env", "train", "attention", "decode")
@@ -289,6 +291,7 @@ def measure_train(
 # attention -----------------------------------------------------------------------------
 
 HEADS, HEAD_DIM, TOKENS, WINDOW = 8, 64, 65536, 256
+STRIDE = 128  # the Sparse Transformer's strided and fixed patterns
 
 
 def _import_tokamax():
@@ -404,7 +407,26 @@ def attention_kernels():
         ),
         "xla dense": (lambda q, k, v: dot_product_attention(q, k, v), P.Full(), "cudnn dense"),
     })  # fmt: skip
+    # The fused block-sparse kernel (sparse/block_sparse_gpu.py) on every other pattern,
+    # against cuDNN's dense kernel (a causal pattern: its causal kernel); its two-sided
+    # window beside the band kernel's.
+    for name, pattern in {
+        "bigbird": bigbird,
+        "longformer": P.longformer(WINDOW, (0,)),
+        "strided (causal)": P.sparse_transformer_strided(STRIDE).causal(),
+        "fixed (causal)": P.Fixed(STRIDE, 8).causal(),
+        "dilated": P.Dilated(WINDOW // 8, 8),
+        "local (two-sided)": band,
+    }.items():
+        ref = "cudnn causal" if pattern.is_causal else "cudnn dense"
+        out[f"block-sparse {name}"] = (_block_sparse(pattern), pattern, ref)
     return out
+
+
+def _block_sparse(pattern):
+    from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
+
+    return lambda q, k, v: block_sparse_attention(q, k, v, pattern)
 
 
 def _band(pattern):
@@ -415,15 +437,13 @@ def _band(pattern):
 
 
 def _allowed_pairs(pattern, n: int) -> float:
-    """(query, key) pairs the pattern allows at length n (exact below 16k, else by the
-    pattern's density at 16k, which is what a band or block pattern keeps)."""
+    """(query, key) pairs the pattern allows at length n, exactly (the tile plan counts
+    them tile by tile, without an n x n array)."""
+    from flaxformer_lite.sparse.tiles import tile_plan
+
     if type(pattern).__name__ == "Full":
         return n * (n + 1) / 2 if pattern.is_causal else float(n) * n
-    if type(pattern).__name__ == "Local" and pattern.is_causal:
-        w = pattern.window
-        return float(sum(min(i, w) + 1 for i in range(n)))
-    m = min(n, 4096)
-    return float(np.asarray(pattern.mask(m)).sum()) * (n / m)
+    return float(tile_plan(pattern, n, 64, 64).pairs)
 
 
 def _rel_diff(mine, ref) -> float:

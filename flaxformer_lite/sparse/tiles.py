@@ -102,20 +102,14 @@ def tile_plan(pattern, n: int, bq: int, bk: int) -> TilePlan:
             raise ValueError(f"tile_plan: {name}={tile} must be a power of two")
     m = padded_length(n, bq, bk)
     qa, kb = np.nonzero(_candidates(pattern, n, m, bq, bk))
-    keep, full, partial, pairs = _classify(pattern, n, bq, bk, qa, kb)
-    qa, kb = qa[keep], kb[keep]
-    mask_id = np.zeros(len(qa), np.int32)
-    masks = [np.ones((1, bq, bk), np.int8)]
-    if len(partial):
-        flat = np.packbits(partial.reshape(len(partial), -1), axis=1)
-        unique, inverse = np.unique(flat, axis=0, return_inverse=True)
-        bits = np.unpackbits(unique, axis=1, count=bq * bk).reshape(-1, bq, bk)
-        masks.append(bits.astype(np.int8))
-        mask_id[~full] = 1 + inverse.reshape(-1)
+    kind, counts, masks = _classify(pattern, n, bq, bk, qa, kb)
+    keep = kind >= 0
+    qa, kb, mask_id = qa[keep], kb[keep], kind[keep].astype(np.int32)
+    pairs = int(counts[keep].sum())
     kv = _lists(qa, kb, mask_id, m // bq)
     order = np.lexsort((qa, kb))  # the transpose: by key tile, then query tile
     q = _lists(kb[order], qa[order], mask_id[order], m // bk)
-    return TilePlan(n, m, bq, bk, *kv, *q, np.concatenate(masks), pairs)
+    return TilePlan(n, m, bq, bk, *kv, *q, masks, pairs)
 
 
 def _candidates(pattern, n: int, m: int, bq: int, bk: int) -> np.ndarray:
@@ -142,24 +136,76 @@ def _candidates(pattern, n: int, m: int, bq: int, bk: int) -> np.ndarray:
 
 
 def _classify(pattern, n: int, bq: int, bk: int, qa: np.ndarray, kb: np.ndarray):
-    """Of the candidate tiles (query tile ``qa``, key tile ``kb``): which hold an
-    allowed pair, which of those are full, the partial ones' masks, and the pairs."""
+    """Of the candidate tiles (query tile ``qa``, key tile ``kb``): each one's mask index
+    (-1: no allowed pair; 0: full; else into the deduplicated masks), its allowed pairs,
+    and the masks ``[u, bq, bk]`` int8 (``masks[0]`` full).
+
+    The rule is evaluated once per distinct tile: tiles that :func:`_tile_keys` gives
+    one key hold the same pairs (a band's tiles at one offset, say), so a strided
+    pattern's every-tile cover costs its distinct offsets, not its n^2 / (bq bk) tiles."""
+    keys = _tile_keys(pattern, qa * bq, kb * bk, bq, bk, n)
+    if keys is None:
+        rep, inverse = np.arange(len(qa)), np.arange(len(qa))
+    else:
+        _, rep, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
     rows = np.arange(bq)[None, :, None]
     cols = np.arange(bk)[None, None, :]
     step = max(1, _CHUNK_PAIRS // (bq * bk))
-    keep, full, partial, pairs = [], [], [], 0
-    for s in range(0, len(qa), step):
-        i = qa[s : s + step, None, None] * bq + rows
-        j = kb[s : s + step, None, None] * bk + cols
+    kind = np.full(len(rep), -1, np.int64)
+    counts = np.zeros(len(rep), np.int64)
+    found: dict[bytes, int] = {}
+    masks = [np.ones((bq, bk), np.int8)]
+    for s in range(0, len(rep), step):
+        chunk = rep[s : s + step]
+        i = qa[chunk, None, None] * bq + rows
+        j = kb[chunk, None, None] * bk + cols
         ok = np.broadcast_to(pattern.allows(i, j, n), (len(i), bq, bk)) & (i < n) & (j < n)
-        some, every = ok.any(axis=(1, 2)), ok.all(axis=(1, 2))
-        keep.append(some)
-        full.append(every[some])
-        partial.append(ok[some & ~every])
-        pairs += int(ok.sum())
-    if not keep:
-        return np.zeros(0, bool), np.zeros(0, bool), np.zeros((0, bq, bk), bool), 0
-    return np.concatenate(keep), np.concatenate(full), np.concatenate(partial), pairs
+        counts[s : s + step] = ok.sum(axis=(1, 2))
+        for t in np.nonzero(counts[s : s + step])[0]:
+            if counts[s + t] == bq * bk:
+                kind[s + t] = 0
+                continue
+            bits = np.packbits(ok[t]).tobytes()
+            if bits not in found:
+                found[bits] = len(masks)
+                masks.append(ok[t].astype(np.int8))
+            kind[s + t] = found[bits]
+    return kind[inverse], counts[inverse], np.stack(masks)
+
+
+def _tile_keys(pattern, i0: np.ndarray, j0: np.ndarray, bq: int, bk: int, n: int):
+    """``[c, k]`` int64 keys of the tiles starting at (``i0``, ``j0``): two tiles with
+    one key hold the same pairs. None where the pattern has no such rule (global,
+    random, block patterns are evaluated tile by tile). A tile that reaches past ``n``
+    gets a key of its own."""
+    keys = _rule_keys(pattern, i0, j0, bq, bk)
+    if keys is None:
+        return None
+    edge = (i0 + bq > n) | (j0 + bk > n)
+    own = np.where(edge, np.arange(len(i0)) + 1, 0)
+    return np.concatenate([keys, own[:, None]], axis=1)
+
+
+def _rule_keys(pattern, i0, j0, bq: int, bk: int):
+    name = type(pattern).__name__
+    if name in ("Full", "Local", "Dilated", "Strided"):  # a rule of i - j alone
+        keys = (i0 - j0)[:, None]
+    elif name == "Fixed" and pattern.stride % bq == 0 and pattern.stride % bk == 0:
+        # A tile lies in one chunk of queries and one of keys: the rule depends on the
+        # positions within the chunks and on whether the chunks are the same.
+        s = pattern.stride
+        keys = np.stack([i0 % s, j0 % s, np.clip(i0 // s - j0 // s, -1, 1)], axis=1)
+    elif name in ("Union", "Intersection"):
+        parts = [_rule_keys(p, i0, j0, bq, bk) for p in pattern.parts]
+        if any(p is None for p in parts):
+            return None
+        keys = np.concatenate(parts, axis=1)
+    else:
+        return None
+    if pattern.is_causal:  # j <= i: all, none, or by the exact offset in between
+        keys = np.concatenate([keys, np.clip(i0 - j0, -bq, bk)[:, None]], axis=1)
+    return keys
 
 
 def _lists(outer: np.ndarray, inner: np.ndarray, mask_id: np.ndarray, count: int):
