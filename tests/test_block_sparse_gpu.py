@@ -27,6 +27,7 @@ SPECS = {
     "strided": "strided:stride=7",
     "sparse_strided": "sparse_strided:stride=6",
     "fixed": "fixed:stride=8,summary=2",
+    "fixed_wide": "fixed:stride=32,summary=3",
     "global": "global:positions=0/17/-1",
     "random": "random:blocks=2",
     "block_local": "block_local:radius=1",
@@ -54,7 +55,8 @@ def test_plan_holds_exactly_the_patterns_pairs(name):
     transpose of the per-query-tile lists, with the same masks."""
     for causal in (False, True):
         p = _pattern(name, causal)
-        for n, bq, bk in [(50, 16, 16), (37, 8, 16), (64, 16, 8)]:
+        # (200, 16, 32): tiles at one offset share one evaluation (tiles._tile_keys)
+        for n, bq, bk in [(50, 16, 16), (37, 8, 16), (64, 16, 8), (50, 8, 8), (200, 16, 32)]:
             plan = tile_plan(p, n, bq, bk)
             np.testing.assert_array_equal(plan.dense(), p.mask(n), err_msg=f"{p}, n={n}")
             assert plan.pairs == p.mask(n).sum()
