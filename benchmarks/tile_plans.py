@@ -7,7 +7,9 @@ Longformer, the Sparse Transformer's strided and fixed, dilated, the two-sided w
 and dense attention: the tiles a forward pass visits (of all tiles), how many of them
 are full (no mask), the distinct partial masks the kernel reads, the allowed pairs
 over the pairs of the visited tiles (how much of a visited tile is work), and the
-time to build the plan (numpy, once per pattern and length). The visited share bounds
+time to build the plan (numpy, once per pattern and length). A stride is regrouped
+by residue (sparse/regroup.py): "(2 parts)" counts the window's tiles in the
+original order and the stride's in the regrouped one. The visited share bounds
 what skipping can gain over dense attention on any hardware; the GPU timings are in
 benchmarks/accelerator.py. Writes benchmarks/results/tile_plans.md.
 """
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite.sparse import patterns as P  # noqa: E402
-from flaxformer_lite.sparse.tiles import tile_plan  # noqa: E402
+from flaxformer_lite.sparse.regroup import pattern_parts  # noqa: E402
 
 WINDOW, STRIDE = 256, 128  # as in benchmarks/accelerator.py
 
@@ -57,14 +59,18 @@ def main() -> None:
     for n in (int(x) for x in args.lengths.split(",")):
         for name, pattern in PATTERNS.items():
             start = time.perf_counter()
-            plan = tile_plan(pattern, n, tile, tile)
+            parts = pattern_parts(pattern, n, tile, tile)
             seconds = time.perf_counter() - start
-            total = (plan.m // tile) ** 2
-            full = int((plan.tile_mask() == 0).sum())
-            work = plan.pairs / (plan.tiles * tile * tile)
+            tiles = sum(part.plan.tiles for part in parts)
+            total = (-(-n // tile)) ** 2
+            full = sum(int((part.plan.tile_mask() == 0).sum()) for part in parts)
+            masks = sum(len(part.plan.masks) - 1 for part in parts)
+            work = sum(part.plan.pairs for part in parts) / (tiles * tile * tile)
+            regrouped = " (2 parts)" if len(parts) > 1 else ""
+            regrouped = regrouped or (" (regrouped)" if parts[0].slots is not None else "")
             line = (
-                f"| {name} | {n} | {plan.tiles:,} | {plan.tiles / total:.2%} | {full:,} | "
-                f"{len(plan.masks) - 1} | {work:.1%} | {seconds:.2f} s |"
+                f"| {name}{regrouped} | {n} | {tiles:,} | {tiles / total:.2%} | {full:,} | "
+                f"{masks} | {work:.1%} | {seconds:.2f} s |"
             )
             print(line, flush=True)
             lines.append(line)

@@ -15,6 +15,7 @@ import pytest
 
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
+from flaxformer_lite.sparse.regroup import pattern_parts
 from flaxformer_lite.sparse.spec import parse_spec, pattern_names
 from flaxformer_lite.sparse.tiles import tile_plan
 
@@ -70,6 +71,31 @@ def test_plan_holds_exactly_the_patterns_pairs(name):
                 by_key[plan.q_tiles[b, :count], b] = plan.q_masks[b, :count]
             np.testing.assert_array_equal(by_key, grid)
             assert (plan.masks[0] == 1).all()
+
+
+@pytest.mark.parametrize("name", ["strided", "sparse_strided", "dilated", "union"])
+def test_regrouped_parts_hold_exactly_the_patterns_pairs(name):
+    """A stride's pairs regrouped by residue plus the rest in the original order: no pair
+    in two parts, none lost, none added; and the regrouping pays (fewer tiles)."""
+    for causal in (False, True):
+        p = _pattern(name, causal)
+        for n, bq, bk in [(50, 16, 16), (37, 8, 16), (200, 16, 32)]:
+            parts = pattern_parts(p, n, bq, bk)
+            assert any(part.slots is not None for part in parts)
+            held = np.zeros((n, n), int)
+            for part in parts:
+                dense = part.plan.dense()
+                if part.slots is None:
+                    held += dense
+                    continue
+                rows, cols = np.nonzero(dense)
+                assert (part.slots[rows] >= 0).all() and (part.slots[cols] >= 0).all()
+                np.add.at(held, (part.slots[rows], part.slots[cols]), 1)
+            assert held.max() <= 1, f"{p}: a pair in two parts"
+            np.testing.assert_array_equal(held > 0, p.mask(n), err_msg=f"{p}, n={n}")
+    strided = P.sparse_transformer_strided(128).causal()
+    visited = sum(part.plan.tiles for part in pattern_parts(strided, 16384, 64, 64))
+    assert visited < tile_plan(strided, 16384, 64, 64).tiles / 10
 
 
 def test_plan_keeps_few_masks_and_few_tiles_at_length():
@@ -172,6 +198,19 @@ def test_packed_rows_and_padding():
     assert max(errors) < TOL, errors
 
 
+def test_packed_rows_regrouped():
+    """Segment ids follow the positions into the regrouped order: the Sparse
+    Transformer's strided pattern (two parts) on packed rows with padding."""
+    q, k, v, w = _case(jnp.float32, 1, 64, 2, 16, seed=5)
+    seg = np.zeros((1, 64), np.int32)
+    seg[0, :25], seg[0, 25:60] = 1, 2
+    errors = _errors(
+        _pattern("sparse_strided", True), q, k, v, w, segments=jnp.asarray(seg), block_q=16,
+        block_k=16,
+    )  # fmt: skip
+    assert max(errors) < TOL, errors
+
+
 def test_a_dropped_tile_is_caught():
     """The checks above have teeth: the kernel run on a plan with one listed tile
     removed from one query tile's list is far from the reference."""
@@ -211,7 +250,9 @@ def test_kernels_lower_to_triton():
     def loss(q, k, v):
         plain = block_sparse_attention(q, k, v, pattern, interpret=False)
         packed = block_sparse_attention(q, k, v, pattern.causal(), segments=seg, interpret=False)
-        return jnp.sum(plain) + jnp.sum(packed)
+        strided = block_sparse_attention(q, k, v, P.sparse_transformer_strided(16).causal(),
+                                         interpret=False)  # fmt: skip
+        return jnp.sum(plain) + jnp.sum(packed) + jnp.sum(strided)
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -230,8 +271,8 @@ def test_kernels_lower_to_triton():
             disabled_checks=[triton],
         )(x, x, x)
     text = exported.mlir_module()
-    for name in ("forward", "dkdv", "dq"):
-        assert text.count(f'name = "block_sparse_attention_{name}"') == 2  # plain, packed
+    for name in ("forward", "dkdv", "dq"):  # plain, packed, and strided's two parts
+        assert text.count(f'name = "block_sparse_attention_{name}"') == 4
 
 
 # On a GPU: compiled by Triton, bfloat16 inputs with float32 accumulation, n = 2048.

@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -44,7 +45,8 @@ from flaxformer_lite.sparse.band_gpu import (
     _specs,
     _tile_width,
 )
-from flaxformer_lite.sparse.tiles import TilePlan, tile_plan
+from flaxformer_lite.sparse.regroup import Part, pattern_parts
+from flaxformer_lite.sparse.tiles import TilePlan
 
 Array = jax.Array
 
@@ -179,12 +181,8 @@ def _tables(plan: TilePlan, transpose: bool) -> tuple[Array, ...]:
     return (*(jnp.asarray(x) for x in lists), jnp.asarray(plan.masks))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attend(q, k, v, segs, plan, scale, interpret):
-    return _attend_fwd(q, k, v, segs, plan, scale, interpret)[0]
-
-
-def _attend_fwd(q, k, v, segs, plan, scale, interpret):
+def _forward(q, k, v, segs, plan: TilePlan, scale, interpret):
+    """(out, lse) of one part, in its own order: ``segs`` = (query ids, key ids) or None."""
     bh, m, d = q.shape
     bq, bk = plan.bq, plan.bk
     tables = _tables(plan, transpose=False)
@@ -192,9 +190,9 @@ def _attend_fwd(q, k, v, segs, plan, scale, interpret):
     in_specs = [*map(_whole, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
     extra = ()
     if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs, bh, m)
-        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], (segs, segs)
-    out, lse = pl.pallas_call(
+        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
+        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], segs
+    return pl.pallas_call(
         functools.partial(_forward_kernel, scale=scale, bk=bk, segmented=segs is not None),
         grid=(m // bq, bh),
         in_specs=in_specs,
@@ -207,15 +205,14 @@ def _attend_fwd(q, k, v, segs, plan, scale, interpret):
         interpret=interpret,
         name="block_sparse_attention_forward",
     )(*tables, q, k, v, *extra)
-    return out, (q, k, v, segs, out, lse)
 
 
-def _attend_bwd(plan, scale, interpret, res, g):
-    q, k, v, segs, out, lse = res
+def _backward(q, k, v, segs, plan: TilePlan, scale, interpret, g, lse, delta):
+    """(dq, dk, dv) of one part, in its own order, given the whole attention's
+    log-sum-exp and ``delta = rowsum(out * g)`` (a part's probabilities are its share
+    of the whole softmax)."""
     bh, m, d = q.shape
     bq, bk, dv_dim = plan.bq, plan.bk, v.shape[-1]
-    delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-    g = g.astype(q.dtype)
     tile, whole = _specs(m)
     whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
     tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
@@ -226,10 +223,10 @@ def _attend_bwd(plan, scale, interpret, res, g):
                 tile_vec, tile_vec]  # fmt: skip
     extra = ()
     if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs, bh, m)
+        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
         dkdv_specs += [seg_whole, seg_tile(bk)]  # query ids whole, key ids of the tile
         dq_specs += [seg_tile(bq), seg_whole]
-        extra = (segs, segs)
+        extra = segs
     segmented = segs is not None
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, scale=scale, bq=bq, segmented=segmented),
@@ -251,7 +248,81 @@ def _attend_bwd(plan, scale, interpret, res, g):
         interpret=interpret,
         name="block_sparse_attention_dq",
     )(*by_query, q, k, v, g, lse, delta, *extra)
-    return dq, dk, dv, None
+    return dq, dk, dv
+
+
+def _into(x, slots, axis: int = 1):
+    """Rows of ``x`` (``[bh, m, ...]``, original order) at a part's slots; an empty slot
+    (-1) reads zeros."""
+    if slots is None:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, 1)
+    safe = np.where(slots >= 0, slots, x.shape[axis])
+    return jnp.take(jnp.pad(x, pad), jnp.asarray(safe), axis=axis)
+
+
+def _back(x, slots, m: int, fill=0.0, axis: int = 1):
+    """A part's rows (``[bh, slots, ...]``) back in the original order of ``m`` rows;
+    positions no slot holds (padding) get ``fill``."""
+    if slots is None:
+        return x
+    where = np.full(m, len(slots))
+    where[slots[slots >= 0]] = np.nonzero(slots >= 0)[0]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, 1)
+    return jnp.take(jnp.pad(x, pad, constant_values=fill), jnp.asarray(where), axis=axis)
+
+
+def _segments_of(segs, slots):
+    return None if segs is None else (_into(segs, slots),) * 2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attend(q, k, v, segs, parts, scale, interpret):
+    return _attend_fwd(q, k, v, segs, parts, scale, interpret)[0]
+
+
+def _attend_fwd(q, k, v, segs, parts, scale, interpret):
+    """Each part's (out, lse) in its own order, brought back and merged by log-sum-exp."""
+    m = q.shape[1]
+    outs, lses = [], []
+    for part in parts:
+        s = part.slots
+        out, lse = _forward(
+            _into(q, s), _into(k, s), _into(v, s), _segments_of(segs, s), part.plan, scale,
+            interpret,
+        )  # fmt: skip
+        outs.append(_back(out, s, m))
+        lses.append(_back(lse, s, m, fill=_NEG))
+    if len(parts) == 1:
+        out, lse = outs[0], lses[0]
+    else:
+        lse = functools.reduce(jnp.logaddexp, lses)
+        out = sum(
+            o.astype(jnp.float32) * jnp.exp(l - lse)[..., None]
+            for o, l in zip(outs, lses, strict=True)
+        )
+        out = out.astype(q.dtype)
+    return out, (q, k, v, segs, out, lse)
+
+
+def _attend_bwd(parts, scale, interpret, res, g):
+    q, k, v, segs, out, lse = res
+    m = q.shape[1]
+    delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+    g = g.astype(q.dtype)
+    grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
+    for part in parts:
+        s = part.slots
+        dq, dk, dv = _backward(
+            _into(q, s), _into(k, s), _into(v, s), _segments_of(segs, s), part.plan, scale,
+            interpret, _into(g, s), _into(lse, s), _into(delta, s),
+        )  # fmt: skip
+        grads = [
+            a + _back(b, s, m).astype(jnp.float32) for a, b in zip(grads, (dq, dk, dv), strict=True)
+        ]
+    return (*(x.astype(y.dtype) for x, y in zip(grads, (q, k, v), strict=True)), None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -297,12 +368,14 @@ def block_sparse_attention(
     if segments is not None and segments.shape != (b, n):
         raise ValueError(f"block_sparse_attention: segments {segments.shape}, expected {(b, n)}")
     if plan is None:
-        plan = tile_plan(pattern, n, block_q, block_k)
+        parts = pattern_parts(pattern, n, block_q, block_k)
     elif (plan.n, plan.bq, plan.bk) != (n, block_q, block_k):
         raise ValueError(
             f"block_sparse_attention: the plan is for n={plan.n}, tiles {plan.bq}x{plan.bk}; "
             f"the inputs have n={n}, tiles {block_q}x{block_k}"
         )
+    else:
+        parts = (Part(plan),)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dv = value.shape[-1]
     query, key, value = (
@@ -316,5 +389,5 @@ def block_sparse_attention(
         segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    out = _attend(q, k, v, segs, plan, scale, bool(interpret))
+    out = _attend(q, k, v, segs, parts, scale, bool(interpret))
     return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)

@@ -189,7 +189,11 @@ def _tile_keys(pattern, i0: np.ndarray, j0: np.ndarray, bq: int, bk: int, n: int
 
 def _rule_keys(pattern, i0, j0, bq: int, bk: int):
     name = type(pattern).__name__
-    if name in ("Full", "Local", "Dilated", "Strided"):  # a rule of i - j alone
+    if hasattr(pattern, "tile_keys"):  # a rule that knows its own (sparse/regroup.py)
+        keys = pattern.tile_keys(i0, j0, bq, bk)
+        if keys is None:
+            return None
+    elif name in ("Full", "Local", "Dilated", "Strided"):  # a rule of i - j alone
         keys = (i0 - j0)[:, None]
     elif name == "Fixed" and pattern.stride % bq == 0 and pattern.stride % bk == 0:
         # A tile lies in one chunk of queries and one of keys: the rule depends on the

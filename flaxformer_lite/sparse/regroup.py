@@ -1,0 +1,128 @@
+"""A strided pattern's pairs made contiguous: positions regrouped by their residue.
+
+A stride ``s`` (``Strided(s)``: ``(i - j) % s == 0``; ``Dilated(w, s)``: the same within
+``w`` steps) pairs each query with keys of its own residue ``i % s``. In the original
+order those keys are one in every ``s``, so every tile below the diagonal holds a few
+of them (at 64k tokens, stride 128: a quarter of all tiles visited, 2.3% of their pairs
+allowed). Regrouped, with residue ``r``'s positions ``r, r + s, r + 2s, ...`` in one run
+of ``span`` slots (``slot = r * span + i // s``), they form one dense block per residue:
+a causal block for ``Strided``, a band for ``Dilated``.
+
+A pattern that is a stride plus other parts (the Sparse Transformer's
+``Local(s - 1) | Strided(s)``) is computed in two parts that share no pair: the other
+parts in the original order, the stride's remaining pairs in the regrouped order; the
+kernel merges the two by their log-sum-exps (:mod:`~flaxformer_lite.sparse.block_sparse_gpu`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.plans import Plans
+from flaxformer_lite.sparse.tiles import TilePlan, tile_plan
+
+_OFFSET_RULES = (P.Full, P.Local, P.Dilated, P.Strided)  # rules of i - j alone
+
+
+def _of_offsets(pattern) -> bool:
+    if isinstance(pattern, P.Union | P.Intersection):
+        return all(_of_offsets(p) for p in pattern.parts)
+    return type(pattern) in _OFFSET_RULES
+
+
+def regrouping(pattern) -> tuple[int, P.Pattern | None] | None:
+    """(stride, the rest computed in the original order, or None) of a pattern whose
+    stride pays to regroup: a ``Strided``/``Dilated`` pattern, or a union holding one
+    of them beside rules of ``i - j`` alone (a window). None for anything else."""
+    kind = type(pattern)
+    if kind is P.Strided:
+        return (pattern.stride, None) if pattern.stride > 1 else None
+    if kind is P.Dilated:
+        return (pattern.dilation, None) if pattern.dilation > 1 else None
+    if kind is not P.Union:
+        return None
+    strided = [p for p in pattern.parts if type(p) in (P.Strided, P.Dilated)]
+    others = [p for p in pattern.parts if type(p) not in (P.Strided, P.Dilated)]
+    if len(strided) != 1 or not others or not all(_of_offsets(p) for p in others):
+        return None
+    stride = getattr(strided[0], "stride", None) or strided[0].dilation
+    if stride < 2:
+        return None
+    rest = others[0] if len(others) == 1 else P.Union(tuple(others))
+    return stride, (rest.causal() if pattern.is_causal else rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class Residues:
+    """The pairs of ``pattern`` that ``rest`` does not hold, on slots regrouped by the
+    residue of ``stride``: a rule over slots in the form :func:`tile_plan` reads
+    (``allows``, ``plans``, ``tile_keys``). Slot ``r * span + q`` is position
+    ``q * stride + r``, empty (allowing nothing) where that is ``>= n``."""
+
+    pattern: P.Pattern
+    rest: P.Pattern | None
+    stride: int
+    n: int
+    span: int
+    is_causal = False  # causality is in the rule of ``pattern``
+
+    def positions(self, slots):
+        """The original position of each slot, -1 for an empty one."""
+        r, q = slots // self.span, slots % self.span
+        p = q * self.stride + r
+        return np.where((p < self.n) & (r < self.stride), p, -1)
+
+    def allows(self, i, j, n_slots: int):
+        pi, pj = self.positions(i), self.positions(j)
+        qi, kj = np.maximum(pi, 0), np.maximum(pj, 0)
+        ok = (pi >= 0) & (pj >= 0) & self.pattern.allows(qi, kj, self.n)
+        if self.rest is not None:
+            ok = ok & ~self.rest.allows(qi, kj, self.n)
+        return ok
+
+    def plans(self, n_slots: int, block: int) -> Plans:
+        return Plans(strides=(1,))  # every tile is a candidate; tile_keys sorts them out
+
+    def tile_keys(self, i0, j0, bq: int, bk: int):
+        """The pairs of a tile depend on its offset within the residue runs, the two
+        residues' difference (``i - j`` is ``(q_i - q_j) s + r_i - r_j``) and how many
+        of its slots hold a position (a prefix of each run)."""
+        if not (_of_offsets(self.pattern) and (self.rest is None or _of_offsets(self.rest))):
+            return None
+        rq, rk, qq, qk = i0 // self.span, j0 // self.span, i0 % self.span, j0 % self.span
+        full_q = -(-(self.n - rq) // self.stride)  # positions of residue rq
+        full_k = -(-(self.n - rk) // self.stride)
+        return np.stack(
+            [qq - qk, rq - rk, np.clip(full_q - qq, 0, bq), np.clip(full_k - qk, 0, bk)], axis=1
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Part:
+    """One part of a pattern's pairs: its tile plan over slots, and ``slots`` (the
+    original position of each slot, -1 = empty; None: the original order itself)."""
+
+    plan: TilePlan
+    slots: np.ndarray | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def pattern_parts(pattern, n: int, bq: int, bk: int) -> tuple[Part, ...]:
+    """The parts a kernel computes ``pattern`` in (one, or a window in the original
+    order and a stride regrouped), disjoint and together exactly its pairs."""
+    split = regrouping(pattern)
+    if split is None or n <= split[0]:
+        return (Part(tile_plan(pattern, n, bq, bk)),)
+    stride, rest = split
+    block = max(bq, bk)
+    per_residue = -(-n // stride)
+    span = -(-per_residue // block) * block  # positions per residue, to the tile
+    framed = Residues(pattern, rest, stride, n, span)
+    regrouped = Part(
+        tile_plan(framed, stride * span, bq, bk), framed.positions(np.arange(stride * span))
+    )
+    return (regrouped,) if rest is None else (Part(tile_plan(rest, n, bq, bk)), regrouped)
