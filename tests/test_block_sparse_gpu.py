@@ -73,7 +73,9 @@ def test_plan_holds_exactly_the_patterns_pairs(name):
             assert (plan.masks[0] == 1).all()
 
 
-@pytest.mark.parametrize("name", ["strided", "sparse_strided", "dilated", "union"])
+@pytest.mark.parametrize(
+    "name", ["strided", "sparse_strided", "dilated", "union", "fixed", "fixed_wide"]
+)
 def test_regrouped_parts_hold_exactly_the_patterns_pairs(name):
     """A stride's pairs regrouped by residue plus the rest in the original order: no pair
     in two parts, none lost, none added; and the regrouping pays (fewer tiles)."""

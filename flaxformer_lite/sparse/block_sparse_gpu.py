@@ -14,7 +14,12 @@ blocks) put them in the list.
 
 Every pattern of the catalogue and their unions and intersections run here, causal or
 not: the plan evaluates the pattern's exact rule (``allows``), so a random pattern has
-the blocks the blocked kernel draws. The band kernel (:mod:`~flaxformer_lite.sparse.
+the blocks the blocked kernel draws. A stride (``Strided``, ``Dilated``, ``Fixed``'s
+summary columns, the Sparse Transformer's ``Local | Strided``) runs on positions
+regrouped by residue (:mod:`~flaxformer_lite.sparse.regroup`), where its pairs fill
+contiguous tiles; a pattern in two parts (its window in the original order, its stride
+regrouped) merges them by their log-sum-exps, and each part's backward pass uses the
+whole softmax's. The band kernel (:mod:`~flaxformer_lite.sparse.
 band_gpu`) computes its window bounds from the block index instead of a table, and
 stays the path for a pure two-sided window.
 

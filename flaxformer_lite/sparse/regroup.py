@@ -34,11 +34,29 @@ def _of_offsets(pattern) -> bool:
     return type(pattern) in _OFFSET_RULES
 
 
+def _of_runs(pattern, stride: int) -> bool:
+    """Whether, on positions regrouped by ``stride``, the rule depends only on the runs'
+    offsets and residues (see :meth:`Residues.tile_keys`)."""
+    if isinstance(pattern, P.Union | P.Intersection):
+        return all(_of_runs(p, stride) for p in pattern.parts)
+    if type(pattern) is P.Fixed:
+        return pattern.stride == stride
+    if type(pattern) is P.BlockLocal:
+        return pattern.block_size == stride
+    return type(pattern) in _OFFSET_RULES
+
+
 def regrouping(pattern) -> tuple[int, P.Pattern | None] | None:
     """(stride, the rest computed in the original order, or None) of a pattern whose
-    stride pays to regroup: a ``Strided``/``Dilated`` pattern, or a union holding one
-    of them beside rules of ``i - j`` alone (a window). None for anything else."""
+    stride pays to regroup: a ``Strided``/``Dilated`` pattern, a union holding one of
+    them beside rules of ``i - j`` alone (a window), or ``Fixed`` (its summary columns
+    regrouped, its chunks in the original order). None for anything else."""
     kind = type(pattern)
+    if kind is P.Fixed and pattern.summary < pattern.stride:
+        # Its summary columns are residues s - c .. s - 1: contiguous once regrouped,
+        # beside the same-chunk blocks (the rest, in the original order).
+        same_chunk = P.BlockLocal(pattern.stride, 0)
+        return pattern.stride, (same_chunk.causal() if pattern.is_causal else same_chunk)
     if kind is P.Strided:
         return (pattern.stride, None) if pattern.stride > 1 else None
     if kind is P.Dilated:
@@ -89,16 +107,21 @@ class Residues:
 
     def tile_keys(self, i0, j0, bq: int, bk: int):
         """The pairs of a tile depend on its offset within the residue runs, the two
-        residues' difference (``i - j`` is ``(q_i - q_j) s + r_i - r_j``) and how many
-        of its slots hold a position (a prefix of each run)."""
-        if not (_of_offsets(self.pattern) and (self.rest is None or _of_offsets(self.rest))):
+        residues' difference (``i - j`` is ``(q_i - q_j) s + r_i - r_j``; same chunk of
+        ``s`` is ``q_i == q_j``), whether the key residue is a fixed pattern's summary
+        column, and how many of its slots hold a position (a prefix of each run)."""
+        rules = (self.pattern,) if self.rest is None else (self.pattern, self.rest)
+        if not all(_of_runs(p, self.stride) for p in rules):
             return None
         rq, rk, qq, qk = i0 // self.span, j0 // self.span, i0 % self.span, j0 % self.span
         full_q = -(-(self.n - rq) // self.stride)  # positions of residue rq
         full_k = -(-(self.n - rk) // self.stride)
+        summary = getattr(self.pattern, "summary", 0)
         return np.stack(
-            [qq - qk, rq - rk, np.clip(full_q - qq, 0, bq), np.clip(full_k - qk, 0, bk)], axis=1
-        )
+            [qq - qk, rq - rk, rk >= self.stride - summary, np.clip(full_q - qq, 0, bq),
+             np.clip(full_k - qk, 0, bk)],
+            axis=1,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

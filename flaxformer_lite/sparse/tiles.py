@@ -21,8 +21,10 @@ How it is built, without an ``n x n`` array:
    full tile.
 
 Strides are the exception: a stride's pairs fall in every tile (one per ``s`` keys),
-so the candidates are every tile (causal: the lower triangle), correct but as costly
-as dense attention; a regrouping by residue would make them contiguous.
+so in the original order the candidates are every tile (causal: the lower triangle),
+correct but as costly as dense attention. The kernel computes them on positions
+regrouped by residue instead (:mod:`~flaxformer_lite.sparse.regroup`), where they fill
+contiguous tiles; this module plans either order.
 """
 
 from __future__ import annotations
