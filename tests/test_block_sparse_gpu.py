@@ -82,7 +82,7 @@ def test_regrouped_parts_hold_exactly_the_patterns_pairs(name):
     for causal in (False, True):
         p = _pattern(name, causal)
         for n, bq, bk in [(50, 16, 16), (37, 8, 16), (200, 16, 32)]:
-            parts = pattern_parts(p, n, bq, bk)
+            parts = pattern_parts(p, n, bq, bk, regroup=True)
             assert any(part.slots is not None for part in parts)
             held = np.zeros((n, n), int)
             for part in parts:
@@ -98,6 +98,8 @@ def test_regrouped_parts_hold_exactly_the_patterns_pairs(name):
     strided = P.sparse_transformer_strided(128).causal()
     visited = sum(part.plan.tiles for part in pattern_parts(strided, 16384, 64, 64))
     assert visited < tile_plan(strided, 16384, 64, 64).tiles / 10
+    short = pattern_parts(strided, 256, 64, 64)  # runs of 2 positions: not regrouped
+    assert len(short) == 1 and short[0].slots is None
 
 
 def test_plan_keeps_few_masks_and_few_tiles_at_length():
@@ -172,7 +174,8 @@ TOL = 1e-5
 def test_kernel_matches_float64(name, causal):
     # n = 50 is no multiple of the tiles (padded keys must stay masked); unequal tiles.
     q, k, v, w = _case(jnp.float32, 1, 50, 2, 16)
-    errors = _errors(_pattern(name, causal), q, k, v, w, block_q=16, block_k=32)
+    # regroup=True: the strided pattern as two parts (window, stride regrouped)
+    errors = _errors(_pattern(name, causal), q, k, v, w, block_q=16, block_k=32, regroup=True)
     assert max(errors) < TOL, errors
 
 
@@ -181,9 +184,11 @@ def test_kernel_matches_float64(name, causal):
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_kernel_matches_float64_every_pattern(name, causal):
     q, k, v, w = _case(jnp.float32, 2, 72, 2, 16, seed=1)
-    for bq, bk in ((16, 16), (32, 16)):
-        errors = _errors(_pattern(name, causal), q, k, v, w, block_q=bq, block_k=bk)
-        assert max(errors) < TOL, (bq, bk, errors)
+    for bq, bk, regroup in ((16, 16, False), (32, 16, False), (16, 16, True)):
+        errors = _errors(
+            _pattern(name, causal), q, k, v, w, block_q=bq, block_k=bk, regroup=regroup
+        )
+        assert max(errors) < TOL, (bq, bk, regroup, errors)
 
 
 def test_packed_rows_and_padding():
@@ -208,7 +213,7 @@ def test_packed_rows_regrouped():
     seg[0, :25], seg[0, 25:60] = 1, 2
     errors = _errors(
         _pattern("sparse_strided", True), q, k, v, w, segments=jnp.asarray(seg), block_q=16,
-        block_k=16,
+        block_k=16, regroup=True,
     )  # fmt: skip
     assert max(errors) < TOL, errors
 
@@ -253,7 +258,7 @@ def test_kernels_lower_to_triton():
         plain = block_sparse_attention(q, k, v, pattern, interpret=False)
         packed = block_sparse_attention(q, k, v, pattern.causal(), segments=seg, interpret=False)
         strided = block_sparse_attention(q, k, v, P.sparse_transformer_strided(16).causal(),
-                                         interpret=False)  # fmt: skip
+                                         interpret=False, regroup=True)  # fmt: skip
         return jnp.sum(plain) + jnp.sum(packed) + jnp.sum(strided)
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)

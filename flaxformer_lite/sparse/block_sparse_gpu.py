@@ -344,6 +344,7 @@ def block_sparse_attention(
     block_k: int = 64,
     segments: Array | None = None,
     interpret: bool | None = None,
+    regroup: bool | None = None,
     plan: TilePlan | None = None,
 ) -> Array:
     """``[b, n, h, d] x3 -> [b, n, h, dv]``: query i attends to the keys j that
@@ -357,6 +358,9 @@ def block_sparse_attention(
       segments: ``[b, n]`` int ids: a query sees keys of its own id only; id 0 is
         padding (sees and is seen by nothing; its output is 0). None: one sequence per row.
       interpret: run through Pallas' interpreter; default: everywhere but on a GPU.
+      regroup: a stride's pairs on positions regrouped by residue
+        (:func:`~flaxformer_lite.sparse.regroup.pattern_parts`): None = where that
+        visits fewer tiles, True = always, False = never.
       plan: a plan to use instead of the pattern's (tests of the kernel's use of it).
 
     A query that no key is allowed to (padding, or a pattern's empty row) gives 0.
@@ -373,7 +377,7 @@ def block_sparse_attention(
     if segments is not None and segments.shape != (b, n):
         raise ValueError(f"block_sparse_attention: segments {segments.shape}, expected {(b, n)}")
     if plan is None:
-        parts = pattern_parts(pattern, n, block_q, block_k)
+        parts = pattern_parts(pattern, n, block_q, block_k, regroup)
     elif (plan.n, plan.bq, plan.bk) != (n, block_q, block_k):
         raise ValueError(
             f"block_sparse_attention: the plan is for n={plan.n}, tiles {plan.bq}x{plan.bk}; "

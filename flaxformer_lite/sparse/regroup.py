@@ -134,18 +134,31 @@ class Part:
 
 
 @functools.lru_cache(maxsize=64)
-def pattern_parts(pattern, n: int, bq: int, bk: int) -> tuple[Part, ...]:
+def pattern_parts(
+    pattern, n: int, bq: int, bk: int, regroup: bool | None = None
+) -> tuple[Part, ...]:
     """The parts a kernel computes ``pattern`` in (one, or a window in the original
-    order and a stride regrouped), disjoint and together exactly its pairs."""
-    split = regrouping(pattern)
-    if split is None or n <= split[0]:
-        return (Part(tile_plan(pattern, n, bq, bk)),)
+    order and a stride regrouped), disjoint and together exactly its pairs.
+
+    ``regroup``: None = regroup a stride where that visits fewer tiles and its runs,
+    padded to the tile, take at most twice the slots of the original order (a short
+    sequence's residues hold a few positions each: at 256 tokens and stride 128, two
+    per run of 64 slots); True = wherever the pattern has a stride; False = never."""
+    whole = (Part(tile_plan(pattern, n, bq, bk)),)
+    split = regrouping(pattern) if regroup is not False else None
+    if split is None:
+        return whole
     stride, rest = split
     block = max(bq, bk)
     per_residue = -(-n // stride)
     span = -(-per_residue // block) * block  # positions per residue, to the tile
+    if regroup is None and stride * span > 2 * whole[0].plan.m:
+        return whole
     framed = Residues(pattern, rest, stride, n, span)
     regrouped = Part(
         tile_plan(framed, stride * span, bq, bk), framed.positions(np.arange(stride * span))
     )
-    return (regrouped,) if rest is None else (Part(tile_plan(rest, n, bq, bk)), regrouped)
+    parts = (regrouped,) if rest is None else (Part(tile_plan(rest, n, bq, bk)), regrouped)
+    if regroup is None and sum(p.plan.tiles for p in parts) >= whole[0].plan.tiles:
+        return whole
+    return parts
