@@ -43,6 +43,11 @@ POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
 TIE_EMBEDDINGS = ("none", "src_tgt", "tgt_softmax", "all")
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# What each layer keeps for the backward pass (jax.checkpoint policies, model/transformer.py):
+# none: everything (no recomputation); full: only the layer's input; dots: the outputs
+# of the projections and the FFN (attention's scores and softmax, norms, activations
+# and dropout recomputed); dots_all: every matmul's output (attention's too).
+REMAT_POLICIES = ("none", "full", "dots", "dots_all")
 HEAD_WIDTH = Rule(lambda v: v is None or v > 0, "must be > 0, or None for d_model // num_heads")
 
 
@@ -146,6 +151,11 @@ class ModelConfig(Section):
     )  # fmt: skip
     param_dtype: str = option("float32", "parameters' dtype", choices=DTYPES)
     sow_attention_weights: bool = option(False, "store weights in 'intermediates'")
+    remat: str = option(
+        "none", "recompute each layer in the backward pass, keeping: none (all) | full "
+        "(the layer input) | dots (projection/FFN outputs) | dots_all (every matmul output)",
+        choices=REMAT_POLICIES,
+    )  # fmt: skip
 
     def check(self) -> None:
         rules.check_model(self)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax import Array
 
@@ -95,6 +96,22 @@ def _check_length(c: ModelConfig, length: int, what: str) -> None:
         )
 
 
+def rematerialized(layer_class, policy: str, static_argnums: tuple[int, ...]):
+    """``layer_class`` whose activations are recomputed in the backward pass under the
+    ``model.remat`` policy (``none``: the class itself). ``static_argnums``: the
+    positions of its Python-valued arguments (``deterministic``, ``decode``) in
+    ``__call__``, ``self`` counted as 0 (flax's lifted remat passes the module too)."""
+    if policy == "none":
+        return layer_class
+    policies = jax.checkpoint_policies
+    keep = {
+        "full": policies.nothing_saveable,
+        "dots": policies.dots_with_no_batch_dims_saveable,
+        "dots_all": policies.checkpoint_dots,
+    }[policy]
+    return nn.remat(layer_class, policy=keep, static_argnums=static_argnums)
+
+
 class EncoderLayer(nn.Module):
     """Self-attention and FFN, each in a residual + LayerNorm block."""
 
@@ -106,7 +123,6 @@ class EncoderLayer(nn.Module):
         self,
         x: Array,
         mask: Array | SegmentIds | None,
-        *,
         deterministic: bool = True,
         positions: Array | None = None,
     ) -> Array:
@@ -137,7 +153,6 @@ class DecoderLayer(nn.Module):
         encoded: Array | None,
         self_mask: Array | SegmentIds | None,
         cross_mask: Array | None,
-        *,
         deterministic: bool = True,
         decode: bool = False,
         positions: Array | None = None,
@@ -222,10 +237,9 @@ class Encoder(nn.Module):
         x = _embed_with_positions(
             c, embed, tokens, positions, deterministic, c.source_token_dropout
         )
+        layer_class = rematerialized(EncoderLayer, c.remat, static_argnums=(3,))
         for i in range(c.num_encoder_layers):
-            x = EncoderLayer(c, layer=i, name=f"layer_{i}")(
-                x, mask, deterministic=deterministic, positions=positions
-            )
+            x = layer_class(c, layer=i, name=f"layer_{i}")(x, mask, deterministic, positions)
         if c.ln_position == "pre":
             x = _layer_norm(c, "final_norm")(x)
         return x
@@ -267,11 +281,13 @@ class Decoder(nn.Module):
         x = _embed_with_positions(
             c, embed, tokens, positions, deterministic, c.target_token_dropout
         )
+        # A cached decoding step has no backward pass: nothing to recompute.
+        remat = "none" if decode else c.remat
+        layer_class = rematerialized(DecoderLayer, remat, static_argnums=(5, 6))
         for i in range(c.num_decoder_layers):
-            x = DecoderLayer(c, self.has_cross_attention, layer=i, name=f"layer_{i}")(
-                x, encoded, self_mask, cross_mask, deterministic=deterministic, decode=decode,
-                positions=positions,
-            )  # fmt: skip
+            x = layer_class(c, self.has_cross_attention, layer=i, name=f"layer_{i}")(
+                x, encoded, self_mask, cross_mask, deterministic, decode, positions
+            )
         if c.ln_position == "pre":
             x = _layer_norm(c, "final_norm")(x)
         if c.lexical_shortcut and self.has_cross_attention:
