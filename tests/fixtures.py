@@ -199,7 +199,7 @@ def trained_translation_run(tmp_path_factory, data_dir) -> Path:
     """A 6-step :debug translation run on the fixture corpus, shared by the tests that
     only read a trained run (translate, evaluate, attention maps): 2 encoder layers
     (the attention grid's rows), max_len 32 (the too-long input tests), the best
-    checkpoint chosen by validation BLEU."""
+    checkpoint chosen by validation BLEU, ``model.remat=full`` and a profile of steps 2-3."""
 
     def build(folder: Path) -> None:
         import pytest
@@ -214,6 +214,9 @@ def trained_translation_run(tmp_path_factory, data_dir) -> Path:
         config.model.layer_norm_epsilon = 1e-5
         config.train.eval_bleu_sentences = 8
         config.train.best_metric = "bleu"
+        # the accelerator knobs on the CPU: layers recomputed, steps 2-3 traced
+        config.model.remat = "full"
+        config.train.profile = "2:2"
         with pytest.MonkeyPatch.context() as m:
             train_on_one_device(m)
             train_and_evaluate(config, folder / "run")

@@ -213,6 +213,10 @@ class TrainConfig(Section):
         "update with 1/k of the activation memory)", rule=POSITIVE,
     )  # fmt: skip
     log_every: int = option(50, "steps between logged measurements", rule=POSITIVE)
+    profile: str = option(
+        "", "START:STEPS: a profiler trace of STEPS steps from step START under "
+        "<workdir>/profile (TensorBoard's profile plugin, XProf, Perfetto); '' = none",
+    )  # fmt: skip
     log_examples: bool = option(
         False, "write each step's training example ids to examples.jsonl (audits the data "
         "order over resumes; ids of process 0's rows)",

@@ -276,11 +276,25 @@ def check_data(d: Any) -> None:
         raise ConfigError(f"config.data.source_lang and target_lang are both {d.source_lang!r}")
 
 
+def profile_steps(spec: str) -> tuple[int, int] | None:
+    """``train.profile`` as (first step, steps), None for ''; ConfigError otherwise."""
+    if not spec:
+        return None
+    found = re.fullmatch(r"(\d+):(\d+)", spec.strip())
+    if not found or int(found.group(1)) < 1 or int(found.group(2)) < 1:
+        raise ConfigError(
+            f"config.train.profile={spec!r}: write START:STEPS with positive integers, e.g. "
+            "2:3 traces steps 2, 3 and 4 (step 1 compiles); '' for no trace"
+        )
+    return int(found.group(1)), int(found.group(2))
+
+
 def check_train(t: Any) -> None:
     try:
         parse_mesh(t.mesh)
     except MeshError as e:
         raise ConfigError(str(e)) from None
+    profile_steps(t.profile)
     if t.init_from and (not t.init_from.startswith("hf:") or t.init_from == "hf:"):
         raise ConfigError(
             f"config.train.init_from={t.init_from!r}: write hf:DIR, DIR a transformers "

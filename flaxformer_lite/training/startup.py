@@ -25,6 +25,7 @@ from flaxformer_lite.data import assembly, packing, pipeline
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.inference import hf_import
 from flaxformer_lite.inference.export import ExportError
+from flaxformer_lite.model.build import attention_kernels
 from flaxformer_lite.model.partitioning import check_model
 from flaxformer_lite.training import distributed, preemption
 from flaxformer_lite.training.parallel import Parallel
@@ -99,6 +100,22 @@ def nothing_trained(workdir: Path) -> bool:
     metrics = workdir / "metrics.jsonl"
     logged = metrics.exists() and metrics.stat().st_size > 0
     return not logged and not ckpt_lib.steps(workdir)
+
+
+def describe(config: ExperimentConfig, par: Parallel, parameters: int) -> str:
+    """The start-up lines: the model's size, where it runs, and (sparse attention or a
+    fused kernel) which kernel runs each layer's attention."""
+    c = config.model
+    line = (
+        f"model: {parameters:,} parameters; {par.num_devices} "
+        f"{jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
+        f"parallelism={par.kind}"
+        + (f", mesh {par.shape} (data x fsdp x model)" if par.kind == "jit" else "")
+        + (f", remat={c.remat}" if c.remat != "none" else "")
+    )
+    if c.sparse_attention or c.attention_impl in ("cudnn", "splash"):
+        line += "\n" + attention_kernels(c, config.data.task)
+    return line
 
 
 def parallelism(config: ExperimentConfig) -> Parallel:

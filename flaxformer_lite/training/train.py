@@ -18,11 +18,12 @@ from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.data import pipeline
 from flaxformer_lite.inference import diagnostics
 from flaxformer_lite.inference.evaluation import validation_bleu
-from flaxformer_lite.model.build import attention_kernels, build_model
+from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, startup
 from flaxformer_lite.training.logging import MetricsLogger
 from flaxformer_lite.training.loop import Clock, FinalCheckpoints, Pace, Throughput, check_finite
 from flaxformer_lite.training.parallel import Parallel
+from flaxformer_lite.training.profiling import StepProfile
 from flaxformer_lite.training.startup import TrainingError
 from flaxformer_lite.training.state import (
     TrainState,
@@ -125,15 +126,9 @@ class Trainer:
         self.tx = tx
         par.lay_out(*state_partitioning(self.model, tx, d.max_length))
         state = create_train_state(self.model, tx, t.seed, d.max_length, par.state_shardings)
-        print(
-            f"model: {parameter_count(state.params):,} parameters; {par.num_devices} "
-            f"{jax.devices()[0].platform} device(s) in {jax.process_count()} process(es), "
-            f"parallelism={par.kind}"
-            + (f", mesh {par.shape} (data x fsdp x model)" if par.kind == "jit" else "")
-        )
-        if c.sparse_attention or c.attention_impl in ("cudnn", "splash"):
-            print(attention_kernels(c, d.task))  # which kernel runs each layer
+        print(startup.describe(config, par, parameter_count(state.params)))
         self.iterator = startup.train_iterator(config, data)
+        self.profile = StepProfile(t.profile, workdir / "profile", active=self.is_chief)
         self.checkpoints = ckpt_lib.Checkpoints(
             workdir, keep=t.keep_checkpoints, best_mode=BEST_METRICS[t.best_metric]
         )
@@ -237,7 +232,10 @@ class Trainer:
                 example_ids = batch.pop("example_ids", None)
                 self.meter.add(batch)
                 lr_factor = self.clock.lr_factor(step)
-                self.state, metrics = self.p_train(self.state, self.par.put_batch(batch), lr_factor)
+                with self.profile.step(step):
+                    batch = self.par.put_batch(batch)
+                    self.state, metrics = self.p_train(self.state, batch, lr_factor)
+                self.profile.done(step, self.state)
                 if step == first:
                     distributed.WATCHDOG.start()  # several processes: stop if a peer dies
                     self.pace.started(step)  # compiled: steps are timed from here
@@ -270,6 +268,7 @@ class Trainer:
             peer_lost = True
             raise self._peer_lost(e, step) from None
         finally:
+            self.profile.close()
             distributed.WATCHDOG.stop()
             self.iterator.close()
             if not peer_lost:  # orbax would wait for the lost process
