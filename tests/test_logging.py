@@ -4,6 +4,8 @@ import json
 import math
 import struct
 
+import numpy as np
+import pytest
 from tensorboardX.proto import event_pb2
 
 from flaxformer_lite.training.logging import MetricsLogger, _format_duration
@@ -74,10 +76,35 @@ def test_throughput_counts_the_tokens_a_model_reads():
 
     inputs = np.array([[5, 6, 7, 0], [8, 9, 0, 0]])
     labels = np.array([[3, 0, 0, 0], [0, 0, 0, 0]])  # classes 3 and 0
-    meter = Throughput(1e9, counted="inputs")
+    meter = Throughput(1e9, task="classify")
     meter.add({"inputs": inputs, "targets": labels})
     assert meter.tokens == 5 and meter.steps == 1
     meter = Throughput(1e9)
     meter.add({"inputs": inputs, "targets": np.array([[4, 5, 1, 0], [6, 1, 0, 0]])})
     assert meter.tokens == 5
     assert meter.rates()["tokens_per_sec"] > 0
+
+
+def test_the_progress_line_shows_the_efficiency():
+    """TFLOP/s always; the MFU where the device's datasheet peak is known (an H100's
+    989 TFLOP/s, not a CPU's); the memory where the device reports it."""
+    from types import SimpleNamespace
+
+    from flaxformer_lite.training import flops
+    from flaxformer_lite.training.logging import _efficiency
+    from flaxformer_lite.training.loop import Throughput
+
+    h100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    assert flops.peak_flops([h100, h100]) == 2 * 989e12
+    assert flops.device_peak_flops(SimpleNamespace(device_kind="TPU v5 lite")) == 197e12
+    assert flops.peak_flops([SimpleNamespace(device_kind="cpu")]) is None
+    meter = Throughput(2e12, peak=4e12)
+    meter.add({"targets": np.ones((2, 3), np.int32)})
+    rates = meter.rates()
+    assert rates["mfu"] == pytest.approx(rates["tflops_per_sec"] / 4)
+    assert "mfu" not in Throughput(2e12).rates()
+    assert _efficiency({"tflops_per_sec": 31.24}) == " 31.2 TFLOP/s"
+    line = _efficiency(
+        {"tflops_per_sec": 400.0, "mfu": 0.404, "memory_gib": 30.12, "peak_memory_gib": 33.0}
+    )
+    assert line == " 400 TFLOP/s 40% MFU 30.1/33.0 GiB"

@@ -1,4 +1,5 @@
-"""Model FLOPs of a training step, and a matmul peak to divide them by (MFU).
+"""Model FLOPs of a training step, and the peaks to divide them by (MFU): a datasheet
+table of accelerators' dense bfloat16 peaks, and a measured matmul peak.
 
 Counted analytically for the encoder-decoder (multiply-adds x 2; training =
 forward x 3), over every slot of the padded/packed batch, since that is
@@ -59,6 +60,29 @@ def train_step_flops(
     if task == "classify":  # the encoder alone (the head is negligible)
         return 3.0 * forward_flops(c.replace(num_decoder_layers=0), batch, source_len, 0)
     return 3.0 * forward_flops(c, batch, source_len, target_len)
+
+
+# Dense bfloat16 peak FLOP/s per device, from the vendors' datasheets (SXM / the
+# chip's own figure, without sparsity), by a substring of ``device.device_kind``; the
+# most specific name first.
+DATASHEET_BF16 = (
+    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12),
+    ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12), ("V100", 125e12),
+    ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5", 197e12), ("TPU v4", 275e12),
+)  # fmt: skip
+
+
+def device_peak_flops(device) -> float | None:
+    """The datasheet's dense bfloat16 peak of ``device`` (FLOP/s), None where the
+    table has none (CPUs: the MFU of a CPU run is not reported)."""
+    kind = getattr(device, "device_kind", "")
+    return next((peak for name, peak in DATASHEET_BF16 if name in kind), None)
+
+
+def peak_flops(devices) -> float | None:
+    """The datasheet peak of ``devices`` together (all of one kind), or None."""
+    peak = device_peak_flops(devices[0])
+    return peak * len(devices) if peak else None
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 10, dtype=jnp.float32, chain: int = 1) -> float:

@@ -10,6 +10,18 @@ import time
 from pathlib import Path
 
 
+def _efficiency(metrics: dict[str, float]) -> str:
+    """`` 31.2 TFLOP/s 41% MFU 30.1/33.0 GiB``: what the logged window computed, its
+    share of the devices' datasheet peak, and the device memory in use / at peak (the
+    last two where the device reports them)."""
+    out = f" {metrics['tflops_per_sec']:.3g} TFLOP/s" if "tflops_per_sec" in metrics else ""
+    if "mfu" in metrics:
+        out += f" {metrics['mfu']:.0%} MFU"
+    if "memory_gib" in metrics and "peak_memory_gib" in metrics:
+        out += f" {metrics['memory_gib']:.1f}/{metrics['peak_memory_gib']:.1f} GiB"
+    return out
+
+
 def _format_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rem = divmod(seconds, 3600)
@@ -82,7 +94,7 @@ class MetricsLogger:
         line = (
             f"step {step}/{self.total_steps} [{bar}] loss {metrics['loss']:.3f} "
             f"acc {metrics['accuracy']:.3f} lr {metrics['learning_rate']:.2e} "
-            f"{metrics.get('tokens_per_sec', 0.0) / 1000:.1f}k tok/s "
+            f"{metrics.get('tokens_per_sec', 0.0) / 1000:.1f}k tok/s{_efficiency(metrics)} "
             f"ETA {_format_duration(eta) if math.isfinite(eta) else '?'}{outlook}"
         )
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)

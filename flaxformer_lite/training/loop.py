@@ -225,13 +225,16 @@ class FinalCheckpoints:
 
 
 class Throughput:
-    """Tokens and steps since the last :meth:`reset`, and the rates they give. The
-    tokens are the non-padding ones of the batch's ``counted`` field: ``targets`` for
-    translation and language models, ``inputs`` for a classifier (whose targets hold
-    one label per row)."""
+    """Tokens and steps since the last :meth:`reset`, and the rates they give (with
+    ``peak``, the devices' FLOP/s together, the MFU; and the device memory where the
+    backend reports it). The tokens are the non-padding ones of the batch's ``counted``
+    field: ``targets`` for translation and language models, ``inputs`` for a
+    classifier (whose targets hold one label per row), by ``task``."""
 
-    def __init__(self, step_flops: float, counted: str = "targets"):
-        self.step_flops, self.counted = step_flops, counted
+    def __init__(self, step_flops: float, task: str = "translation", peak: float | None = None):
+        # peak: FLOP/s of every device together (the datasheet's), for the MFU
+        self.step_flops, self.peak = step_flops, peak
+        self.counted = "inputs" if task == "classify" else "targets"
         self.reset()
 
     def reset(self) -> None:
@@ -247,11 +250,25 @@ class Throughput:
     def rates(self) -> dict[str, float]:
         elapsed = time.perf_counter() - self.since
         step_time = elapsed / max(self.steps, 1)
-        return {
+        rates = {
             "tokens_per_sec": self.tokens / elapsed,
             "step_time": step_time,
             "tflops_per_sec": self.step_flops / step_time / 1e12,
         }
+        if self.peak:
+            rates["mfu"] = self.step_flops / step_time / self.peak
+        return rates | device_memory()
+
+
+def device_memory() -> dict[str, float]:
+    """GiB in use and at peak on this process's first device, where the backend says
+    (GPUs, TPUs; a CPU reports nothing)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    out = {}
+    for key, name in (("bytes_in_use", "memory_gib"), ("peak_bytes_in_use", "peak_memory_gib")):
+        if key in stats:
+            out[name] = stats[key] / 2**30
+    return out
 
 
 def check_finite(m: dict[str, float], step: int, checkpoints, window: int) -> None:

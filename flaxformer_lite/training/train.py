@@ -161,7 +161,7 @@ class Trainer:
         )  # fmt: skip
         self.pace, self.outlook_said = Pace(self.clock), False
         step_flops = flops.train_step_flops(c, t.batch_size, d.max_length, d.max_length, d.task)
-        self.meter = Throughput(step_flops, "inputs" if d.task == "classify" else "targets")
+        self.meter = Throughput(step_flops, d.task, peak=flops.peak_flops(jax.devices()))
         self.skipped = 0
         self.attention_stats = self._attention_stats_fn() if t.attention_stats_every else None
 
