@@ -213,6 +213,10 @@ class TrainConfig(Section):
         "update with 1/k of the activation memory)", rule=POSITIVE,
     )  # fmt: skip
     log_every: int = option(50, "steps between logged measurements", rule=POSITIVE)
+    wandb_project: str = option(
+        "", "Weights & Biases project to log to, beside TensorBoard ('' = off; the wandb "
+        "extra; WANDB_MODE=offline works without a network)",
+    )  # fmt: skip
     profile: str = option(
         "", "START:STEPS: a profiler trace of STEPS steps from step START under "
         "<workdir>/profile (TensorBoard's profile plugin, XProf, Perfetto); '' = none",

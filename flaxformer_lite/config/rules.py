@@ -21,6 +21,7 @@ registries it reads live at this level or below (score-function names here, whic
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from typing import Any
 
@@ -295,6 +296,11 @@ def check_train(t: Any) -> None:
     except MeshError as e:
         raise ConfigError(str(e)) from None
     profile_steps(t.profile)
+    if t.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"config.train.wandb_project={t.wandb_project!r} needs Weights & Biases: pip "
+            "install 'flaxformer_lite[wandb]' (or wandb), or set train.wandb_project=''"
+        )
     if t.init_from and (not t.init_from.startswith("hf:") or t.init_from == "hf:"):
         raise ConfigError(
             f"config.train.init_from={t.init_from!r}: write hf:DIR, DIR a transformers "

@@ -26,6 +26,7 @@ from flaxformer_lite.data.packing import pad_batch
 from flaxformer_lite.data.sources import load_texts
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.inference.translate import Translator
+from flaxformer_lite.workdir.tracker import WandbRun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +193,12 @@ def evaluate_workdir(
         + f", {translator.checkpoint}, {seconds:.0f} s):"
     )
     print(f"  {scores.line()}")
+    project = translator.run_config.train.wandb_project
+    if project and jax.process_index() == 0:  # the scores join the run's W&B summary
+        tracker = WandbRun(workdir, project)
+        tracker.summary({f"{split}/{k}": v for k, v in dataclasses.asdict(scores).items()
+                         if isinstance(v, int | float)})  # fmt: skip
+        tracker.close()
     for src, ref, hyp in list(zip(sources, references, hypotheses, strict=True))[:num_examples]:
         print(f"  source:    {src}\n  reference: {ref}\n  output:    {hyp}")
     return scores

@@ -31,7 +31,8 @@ def _format_duration(seconds: float) -> str:
 
 class MetricsLogger:
     """Writes measurements to ``metrics.jsonl`` and TensorBoard event files in the
-    workdir, and a progress line to the console (only where ``enabled``: process 0)."""
+    workdir (and to ``tracker``, a W&B run, where given), and a progress line to the
+    console (only where ``enabled``: process 0)."""
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class MetricsLogger:
         total_steps: int,
         enabled: bool = True,
         deadline: float = math.inf,
+        tracker=None,
     ):
         """``deadline``: a ``time.perf_counter()`` time at which training stops anyway
         (``train.max_minutes``); the ETA is then the nearer of the two ends."""
@@ -54,6 +56,7 @@ class MetricsLogger:
         self.start_step: int | None = None
         self.tty = sys.stdout.isatty()
         self.examples_file = None
+        self.tracker = tracker  # a workdir.tracker.WandbRun: the same records go there
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
         if not self.enabled:
@@ -65,6 +68,8 @@ class MetricsLogger:
             if isinstance(value, int | float) and math.isfinite(value):
                 self.tb.add_scalar(f"{prefix}/{key}", value, step)
         self.tb.flush()
+        if self.tracker is not None:
+            self.tracker.log(step, metrics, prefix)
 
     def examples(self, step: int, example_ids) -> None:
         """One ``examples.jsonl`` line: the step and the ids of the examples it trained
@@ -109,3 +114,5 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.tracker is not None:
+            self.tracker.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -32,6 +33,7 @@ from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import is_token_embedding
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from flaxformer_lite.workdir.folder import read_config
+from flaxformer_lite.workdir.tracker import WandbRun
 
 
 class TrainingError(RuntimeError):
@@ -116,6 +118,13 @@ def describe(config: ExperimentConfig, par: Parallel, parameters: int) -> str:
     if c.sparse_attention or c.attention_impl in ("cudnn", "splash"):
         line += "\n" + attention_kernels(c, config.data.task)
     return line
+
+
+def open_tracker(config: ExperimentConfig, workdir: Path) -> WandbRun | None:
+    """The run's W&B run (``train.wandb_project``; resumed by the id the workdir keeps,
+    with the config), or None."""
+    project = config.train.wandb_project
+    return WandbRun(workdir, project, json.loads(config.to_json())) if project else None
 
 
 def parallelism(config: ExperimentConfig) -> Parallel:

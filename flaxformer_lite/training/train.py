@@ -114,8 +114,7 @@ class Trainer:
 
     Built from the config and the data (a fresh state, or the newest checkpoint's with
     the data position and the minutes it had spent); :meth:`run` takes the steps and
-    logs, evaluates, checkpoints and stops when the recipe says.
-    """
+    logs, evaluates, checkpoints and stops when the recipe says."""
 
     def __init__(self, config, workdir: Path, par: Parallel, data, wall_start: float):
         c, t, d = config.model, config.train, config.data
@@ -148,7 +147,8 @@ class Trainer:
             data.validation, batch_size=t.batch_size, max_length=d.max_length
         )
         self.eval_batches = eval_batches[: t.eval_batches] if t.eval_batches else eval_batches
-        self.logger = MetricsLogger(workdir, t.num_steps, enabled=self.is_chief)
+        tracker = startup.open_tracker(config, workdir) if self.is_chief else None
+        self.logger = MetricsLogger(workdir, t.num_steps, enabled=self.is_chief, tracker=tracker)
         self.clock = Clock(
             max_minutes=t.max_minutes, num_steps=t.num_steps, every=t.log_every,
             cooldown_fraction=config.optimizer.cooldown_fraction, spent_before=spent_before,
