@@ -29,3 +29,28 @@ def test_profile_values():
     for bad in ("2", "0:3", "2:0", "a:b", "2:3:4"):
         with pytest.raises(ConfigError, match="write START:STEPS"):
             profile_steps(bad)
+
+
+def test_a_scanned_rematerialized_profiled_run_resumes_unrolled(
+    fixture_data, tmp_path, monkeypatch
+):
+    """:debug with model.scan_layers, remat=full and train.profile=1:1 trains and
+    writes its trace; the same run resumed with scan_layers=False reads the scanned
+    checkpoint (parameters and Adam's moments converted) and trains on."""
+    import json
+
+    from flaxformer_lite.training.train import train_and_evaluate
+    from tests.fixtures import debug_config, train_on_one_device
+
+    train_on_one_device(monkeypatch)
+    workdir = tmp_path / "run"
+    config = debug_config(fixture_data[1], num_steps=2, eval_every=2, checkpoint_every=2)
+    config.model.scan_layers, config.model.remat, config.train.profile = True, "full", "1:1"
+    config.train.eval_bleu_sentences = 0
+    first = train_and_evaluate(config, workdir)
+    assert list((workdir / "profile").glob("plugins/profile/*/*.xplane.pb"))
+    config.model.scan_layers, config.train.num_steps, config.train.profile = False, 4, ""
+    second = train_and_evaluate(config, workdir)
+    assert first["step"] == 2 and second["step"] == 4 and second["trained_steps"] == 2
+    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    assert max(steps) == 4

@@ -151,6 +151,10 @@ class ModelConfig(Section):
     )  # fmt: skip
     param_dtype: str = option("float32", "parameters' dtype", choices=DTYPES)
     sow_attention_weights: bool = option(False, "store weights in 'intermediates'")
+    scan_layers: bool = option(
+        False, "each layer stack compiled once as a scan (parameters stacked along a "
+        "'layers' axis; decoding runs the layers unrolled)",
+    )  # fmt: skip
     remat: str = option(
         "none", "recompute each layer in the backward pass, keeping: none (all) | full "
         "(the layer input) | dots (projection/FFN outputs) | dots_all (every matmul output)",

@@ -175,6 +175,29 @@ def check_model(c: Any) -> None:
         except PatternSpecError as e:
             raise ConfigError(_pattern_message(c, e)) from None
     _check_kernel(c, layers)
+    if c.scan_layers:
+        _check_scan(c, layers)
+
+
+def _check_scan(c: Any, layers: list | None) -> None:
+    """``model.scan_layers`` compiles one layer for all: every layer must be the same."""
+    varies = layers is not None and (
+        any(layer != layers[0] for layer in layers)
+        or any(p.for_layer(1) != p.for_layer(0) for p in layers[0])
+    )
+    if varies:
+        raise ConfigError(
+            f"model.scan_layers compiles one layer for all, and attention_pattern="
+            f"{c.attention_pattern!r} differs between layers (layers separated by '|', or "
+            "random blocks drawn per layer); use one pattern without random blocks, or "
+            "scan_layers=False"
+        )
+    if c.sow_attention_weights:
+        raise ConfigError(
+            "model.sow_attention_weights names each layer's weights, and model.scan_layers "
+            "stacks the layers; the attention maps and statistics unroll a scanned run "
+            "themselves: set sow_attention_weights=False"
+        )
 
 
 def _pattern_message(c: Any, error: Exception) -> str:

@@ -36,6 +36,7 @@ import numpy as np
 
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.model.build import build_model
+from flaxformer_lite.workdir.layer_layout import unrolled
 
 KINDS = {"encoder": "encoder self", "decoder": "decoder self", "cross": "cross"}
 BOS_PIECE, EOS_PIECE = "<s>", "</s>"
@@ -89,10 +90,11 @@ def attention_maps(
     text = text.strip()
     if not text:
         raise TranslateError("the sentence to draw is empty; give a sentence")
-    config = dataclasses.replace(translator.config, sow_attention_weights=True)
     params = translator.params
     if isinstance(params, tuple):  # an ensemble: its first member
         params = params[0]
+    config, params = unrolled(translator.config, params)  # each layer by its name
+    config = dataclasses.replace(config, sow_attention_weights=True)
     tokenizer = translator.tokenizer
     lm = translator.run is not None and translator.run.is_lm
     model = build_model(config, "lm" if lm else "translation")

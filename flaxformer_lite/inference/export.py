@@ -40,6 +40,7 @@ from flax import linen as nn
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, PairTokenizer, Tokenizer
 from flaxformer_lite.inference.run import Run
+from flaxformer_lite.workdir.layer_layout import unrolled
 
 MARIAN_EPSILON = 1e-5
 # ours -> transformers' name (jax.nn.gelu is the tanh form, transformers' gelu_new)
@@ -139,6 +140,7 @@ def _positions(length: int, d_model: int) -> np.ndarray:
 def hf_state(params, c: ModelConfig) -> dict[str, np.ndarray]:
     """The transformers state dict (numpy float32) of our parameters."""
     params = nn.meta.unbox(params)
+    c, params = unrolled(c, params)  # a scanned run's layers, one by one
     p = width_order(c.d_model)
     hd = c.d_model  # heads x head width
 
@@ -326,6 +328,7 @@ def _ctranslate2_state(params, c: ModelConfig) -> dict[str, np.ndarray]:
     vocabulary's last row (the pad row transformers appends); an extra row is added
     for it to drop.
     """
+    c, params = unrolled(c, params)
     state = hf_state(params, c)
     table = state["model.shared.weight"]
     start = np.zeros_like(table[0]) if c.ln_position == "post" else table[PAD_ID]

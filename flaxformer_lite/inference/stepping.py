@@ -26,6 +26,7 @@ from jax import Array, lax
 
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer
+from flaxformer_lite.workdir.layer_layout import switched, unrolled
 
 
 def is_ensemble(params) -> bool:
@@ -91,8 +92,15 @@ class Stepper:
         # ``repeat`` = k for beam search: each source row stands for k adjacent beam
         # rows. The encoder and the cross-attention projections run once per source
         # row (their keys are repeated), which saves 3/4 of them at beam 4.
+        # Cached decoding reads each layer's cache by name: a scanned model's layers
+        # run unrolled (the same parameters, unstacked).
+        members = tuple(params) if is_ensemble(params) else (params,)
+        config, _ = unrolled(model.config, None)
+        if config is not model.config:
+            model = model.clone(config=config)
+            members = tuple(switched(p)[0] for p in members)
         self.model, self.source, self.repeat = model, inputs, repeat
-        self.members = tuple(params) if is_ensemble(params) else (params,)
+        self.members = members
         if not self.members:
             raise ValueError("an ensemble needs at least one parameter tree")
         self.is_lm = isinstance(model, LanguageModel)

@@ -45,6 +45,7 @@ ACT_EMBED = "activation_embed"
 ACT_HEADS = "activation_heads"
 ACT_MLP = "activation_mlp"
 ACT_VOCAB = "activation_vocab"
+LAYERS = "layers"  # the stacked layers of model.scan_layers (replicated: each device holds all)
 
 # The rules table: logical axis -> mesh axis (or axes, or None = replicated).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -60,6 +61,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (ACT_HEADS, "model"),
     (ACT_MLP, "model"),
     (ACT_VOCAB, "model"),
+    (LAYERS, None),
 )
 
 

@@ -112,6 +112,49 @@ def rematerialized(layer_class, policy: str, static_argnums: tuple[int, ...]):
     return nn.remat(layer_class, policy=keep, static_argnums=static_argnums)
 
 
+class _EncoderBody(nn.Module):
+    """One encoder layer as a scan body: (x, mask, positions) -> (x, None)."""
+
+    config: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x, mask, positions):
+        c = self.config
+        layer = rematerialized(EncoderLayer, c.remat, static_argnums=(3,))(c, name="layer")
+        return layer(x, mask, self.deterministic, positions), None
+
+
+class _DecoderBody(nn.Module):
+    """One decoder layer as a scan body."""
+
+    config: ModelConfig
+    cross: bool = True
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x, encoded, self_mask, cross_mask, positions):
+        c = self.config
+        layer_class = rematerialized(DecoderLayer, c.remat, static_argnums=(5, 6))
+        layer = layer_class(c, self.cross, name="layer")
+        return layer(x, encoded, self_mask, cross_mask, self.deterministic, False, positions), None
+
+
+def _scanned(body, length: int):
+    """``length`` copies of a layer ``body`` as one ``nn.scan`` (``model.scan_layers``):
+    compiled once, their parameters stacked along the ``layers`` logical axis, every
+    argument but the carried activations the same for each layer. Each copy is the
+    layer of index 0: a pattern must be the same in every layer (config/rules.py)."""
+    return nn.scan(
+        body,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=nn.broadcast,
+        length=length,
+        metadata_params={nn.PARTITION_NAME: P.LAYERS},
+    )
+
+
 class EncoderLayer(nn.Module):
     """Self-attention and FFN, each in a residual + LayerNorm block."""
 
@@ -238,7 +281,10 @@ class Encoder(nn.Module):
             c, embed, tokens, positions, deterministic, c.source_token_dropout
         )
         layer_class = rematerialized(EncoderLayer, c.remat, static_argnums=(3,))
-        for i in range(c.num_encoder_layers):
+        if c.scan_layers:
+            body = _scanned(_EncoderBody, c.num_encoder_layers)
+            x, _ = body(c, deterministic, name="layers")(x, mask, positions)
+        for i in range(0 if c.scan_layers else c.num_encoder_layers):
             x = layer_class(c, layer=i, name=f"layer_{i}")(x, mask, deterministic, positions)
         if c.ln_position == "pre":
             x = _layer_norm(c, "final_norm")(x)
@@ -284,7 +330,13 @@ class Decoder(nn.Module):
         # A cached decoding step has no backward pass: nothing to recompute.
         remat = "none" if decode else c.remat
         layer_class = rematerialized(DecoderLayer, remat, static_argnums=(5, 6))
-        for i in range(c.num_decoder_layers):
+        scan = c.scan_layers and not decode  # cached decoding runs the layers unrolled
+        if scan:
+            body = _scanned(_DecoderBody, c.num_decoder_layers)
+            x, _ = body(c, self.has_cross_attention, deterministic, name="layers")(
+                x, encoded, self_mask, cross_mask, positions
+            )
+        for i in range(0 if scan else c.num_decoder_layers):
             x = layer_class(c, self.has_cross_attention, layer=i, name=f"layer_{i}")(
                 x, encoded, self_mask, cross_mask, deterministic, decode, positions
             )

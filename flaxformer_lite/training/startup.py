@@ -40,6 +40,11 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message names the cause and the fix."""
 
 
+# Fields a resumed run may change: where the data lives, and how the same model is
+# computed (its layers scanned or unrolled: checkpoints convert; recomputed or kept).
+HOW = ("data_dir", "scan_layers", "remat")
+
+
 def check_workdir(config, workdir: Path) -> None:
     """Writable, and holding no other model's run (a clear error, never a shape crash)."""
     try:
@@ -58,7 +63,7 @@ def check_workdir(config, workdir: Path) -> None:
     for section in ("model", "data"):
         old, new = previous.get(section, {}), current.get(section, {})
         differ = sorted(
-            k for k in set(old) | set(new) if k != "data_dir" and old.get(k) != new.get(k)
+            k for k in set(old) | set(new) if k not in HOW and old.get(k) != new.get(k)
         )
         if differ:
             details = ", ".join(f"{section}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ)

@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from flaxformer_lite.model.build import build_model
 from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.training import losses
 from flaxformer_lite.training.state import TrainState, skipped_updates
+from flaxformer_lite.workdir.layer_layout import unrolled
 
 
 def forward(model: nn.Module, params, batch, *, deterministic: bool = True, rng=None, **apply):
@@ -210,3 +212,19 @@ def eval_step(
     if axis_name is not None:
         sums = lax.psum(sums, axis_name)
     return sums
+
+
+def sown_attention(config, batch):
+    """A jitted ``params -> intermediates``: the model with its attention weights sown,
+    on ``batch`` (a few validation rows), for ``train.attention_stats_every``. The
+    layers run unrolled, each one's weights under its name (``model.scan_layers``)."""
+    c = config.model
+    model = build_model(c.replace(sow_attention_weights=True, scan_layers=False), config.data.task)
+    rows = {k: jnp.asarray(v) for k, v in batch.items()}
+
+    @jax.jit
+    def sown(params):
+        _, state = forward(model, unrolled(c, params)[1], rows, mutable=["intermediates"])
+        return state["intermediates"]
+
+    return sown

@@ -33,8 +33,7 @@ from flaxformer_lite.training.state import (
     parameter_count,
     state_partitioning,
 )
-from flaxformer_lite.training.steps import eval_step, train_step
-from flaxformer_lite.training.steps import forward as steps_forward
+from flaxformer_lite.training.steps import eval_step, sown_attention, train_step
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from flaxformer_lite.workdir.folder import write_config
 from flaxformer_lite.workdir.lock import WorkdirBusyError, WorkdirLock
@@ -163,7 +162,8 @@ class Trainer:
         step_flops = flops.train_step_flops(c, t.batch_size, d.max_length, d.max_length, d.task)
         self.meter = Throughput(step_flops, d.task, peak=flops.peak_flops(jax.devices()))
         self.skipped = 0
-        self.attention_stats = self._attention_stats_fn() if t.attention_stats_every else None
+        batch = {k: v[:8] for k, v in self.eval_batches[0].items()}  # a few validation rows
+        self.attention_stats = sown_attention(config, batch) if t.attention_stats_every else None
 
     def _restore(self, state) -> tuple[TrainState, float]:
         """The newest checkpoint's state and the minutes its run had spent, or the fresh
@@ -318,21 +318,6 @@ class Trainer:
         evaluated = host_state.replace(params=params)
         self.checkpoints.save_best(step, evaluated, final[self.config.train.best_metric])
         return final
-
-    def _attention_stats_fn(self):
-        """The model with its attention sown, jitted on a few validation rows (built only
-        when ``train.attention_stats_every`` asks for it: no cost otherwise)."""
-        c, d = self.config.model, self.config.data
-        model = build_model(c.replace(sow_attention_weights=True), d.task)
-        batch = {k: v[:8] for k, v in self.eval_batches[0].items()}
-
-        @jax.jit
-        def sown(params):
-            rows = {k: jax.numpy.asarray(v) for k, v in batch.items()}
-            _, state = steps_forward(model, params, rows, mutable=["intermediates"])
-            return state["intermediates"]
-
-        return sown
 
     def log_attention_stats(self, step: int) -> None:
         """Entropy, distance, largest logit and pattern mass of every head, logged."""

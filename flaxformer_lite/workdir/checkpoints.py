@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from flaxformer_lite.workdir import layer_layout
 from flaxformer_lite.workdir.failures import disk_error, ignore_closed_loop_reports, unreadable
 from flaxformer_lite.workdir.folder import CONFIG_FILE, CheckpointError
 
@@ -177,14 +178,18 @@ class Checkpoints:
 
     def _restore(self, step: int, target_state: Any) -> tuple[Any, dict]:
         ignore_closed_loop_reports()
-        try:
-            restored = self.last.restore(
+
+        def read(target):
+            return self.last.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(_abstract(target_state)),
-                    data=ocp.args.JsonRestore(),
+                    state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
                 ),
             )
+
+        target = _abstract(target_state)
+        try:
+            restored = _either_layout(read, target, "state")
         except Exception as e:  # truncated, deleted or foreign files; other shapes
             raise unreadable(self.workdir, "last", step, e) from e
         return restored["state"], dict(restored["data"] or {})
@@ -264,9 +269,9 @@ def restore_params(
     ignore_closed_loop_reports()
     manager = _manager(Path(workdir) / _DIRS[kind], read_only=True)
     item = "params" if kind == "averaged" else "state"
-    target = {"params": _abstract(target_params)}
-    try:
-        restored = manager.restore(
+
+    def read(target):
+        return manager.restore(
             step,
             args=ocp.args.Composite(
                 **{
@@ -276,6 +281,9 @@ def restore_params(
                 }
             ),
         )
+
+    try:
+        restored = _either_layout(read, {"params": _abstract(target_params)}, item)
     except Exception as e:  # truncated, deleted or foreign files; other shapes
         raise unreadable(workdir, kind, step, e) from e
     finally:
@@ -283,6 +291,24 @@ def restore_params(
     params = restored[item]["params"]
     check_shapes(params, target_params, f"the {kind} checkpoint of step {step} in {workdir}")
     return params, step
+
+
+def _either_layout(read, target, key: str) -> dict:
+    """``read(target)`` as a dict; where that fails and the target holds layers,
+    ``read`` of the target in the other layer layout (``model.scan_layers``: stacked,
+    or one per layer), its ``key`` entry turned back into the target's layout."""
+    try:
+        return dict(read(target))
+    except Exception:
+        other, has_layers = layer_layout.switched(target)
+        if not has_layers:
+            raise
+        try:
+            restored = dict(read(_abstract(other)))
+        except Exception:
+            return dict(read(target))  # raises the first error, which names the checkpoint
+        restored[key] = layer_layout.switched(restored[key])[0]
+        return restored
 
 
 def check_shapes(tree: Any, target: Any, what: str) -> None:
