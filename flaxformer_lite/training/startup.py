@@ -62,9 +62,7 @@ def check_workdir(config, workdir: Path) -> None:
     previous, current = previous.to_dict(), config.to_dict()
     for section in ("model", "data"):
         old, new = previous.get(section, {}), current.get(section, {})
-        differ = sorted(
-            k for k in set(old) | set(new) if k not in HOW and old.get(k) != new.get(k)
-        )
+        differ = sorted(k for k in set(old) | set(new) if k not in HOW and old.get(k) != new.get(k))
         if differ:
             details = ", ".join(f"{section}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ)
             raise TrainingError(
