@@ -219,23 +219,24 @@ def _segment_specs(segs, bh: int, m: int):
     return tile, pl.BlockSpec((None, m), lambda t, r: (r // h, 0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _band(q, k, v, segs, left, right, scale, n, bq, bk, interpret):
-    return _band_fwd(q, k, v, segs, left, right, scale, n, bq, bk, interpret)[0]
+def whole_table(x) -> pl.BlockSpec:
+    """Every program reads the whole (small) table ``x``."""
+    return pl.BlockSpec(x.shape, lambda t, r: (0,) * x.ndim)
 
 
-def _band_fwd(q, k, v, segs, left, right, scale, n, bq, bk, interpret):
+def flash_forward(kernel, name: str, q, k, v, segs, bq: int, interpret: bool, tables=()):
+    """(out, lse) of a flash-attention forward ``kernel`` over the grid (query tiles,
+    b*h). Its refs: ``tables`` (whole), the query tile, every key and value, then with
+    ``segs`` = (query ids, key ids) the tile's query ids and every key id; then the
+    output tile and its log-sum-exps. (The band kernel and the block-sparse kernel.)"""
     bh, m, d = q.shape
     tile, whole = _specs(m)
-    in_specs, extra = [tile(bq, d), whole(d), whole(v.shape[-1])], ()
+    in_specs = [*map(whole_table, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
+    extra = ()
     if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs, bh, m)
-        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], (segs, segs)
-    kernel = functools.partial(
-        _forward_kernel, scale=scale, left=left, right=right, n=n, bk=bk,
-        segmented=segs is not None,
-    )  # fmt: skip
-    out, lse = pl.pallas_call(
+        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
+        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], segs
+    return pl.pallas_call(
         kernel,
         grid=(m // bq, bh),
         in_specs=in_specs,
@@ -246,49 +247,83 @@ def _band_fwd(q, k, v, segs, left, right, scale, n, bq, bk, interpret):
         ],
         compiler_params=_compiler_params(4, 2, interpret),
         interpret=interpret,
-        name="band_attention_forward",
-    )(q, k, v, *extra)
-    return out, (q, k, v, segs, out, lse)
+        name=f"{name}_forward",
+    )(*tables, q, k, v, *extra)
 
 
-def _band_bwd(left, right, scale, n, bq, bk, interpret, res, g):
-    q, k, v, segs, out, lse = res
+def flash_backward(kernels, name: str, q, k, v, segs, g, lse, delta, tiles, interpret,
+                   tables=((), ())):  # fmt: skip
+    """(dq, dk, dv) of a flash-attention backward: ``kernels`` = (dk/dv kernel over the
+    grid (key tiles, b*h), dq kernel over (query tiles, b*h)); ``tiles`` = (bq, bk);
+    ``tables`` = (the dk/dv kernel's, the dq kernel's), read whole. Each kernel's refs:
+    its tables, q, k, v, the output's gradient, lse and delta (a whole row or the
+    kernel's tile of each), with ``segs`` the segment ids, then its outputs."""
     bh, m, d = q.shape
-    dv_dim = v.shape[-1]
-    delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-    g = g.astype(q.dtype)
+    (bq, bk), dv_dim = tiles, v.shape[-1]
     tile, whole = _specs(m)
     whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
     tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
-    common = dict(scale=scale, left=left, right=right, n=n, segmented=segs is not None)
-    dkdv_specs = [whole(d), tile(bk, d), tile(bk, dv_dim), whole(dv_dim), whole_vec, whole_vec]
-    dq_specs = [tile(bq, d), whole(d), whole(dv_dim), tile(bq, dv_dim), tile_vec, tile_vec]
+    dkdv_specs = [*map(whole_table, tables[0]), whole(d), tile(bk, d), tile(bk, dv_dim),
+                  whole(dv_dim), whole_vec, whole_vec]  # fmt: skip
+    dq_specs = [*map(whole_table, tables[1]), tile(bq, d), whole(d), whole(dv_dim),
+                tile(bq, dv_dim), tile_vec, tile_vec]  # fmt: skip
     extra = ()
     if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs, bh, m)
+        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
         dkdv_specs += [seg_whole, seg_tile(bk)]  # query ids whole, key ids of the tile
         dq_specs += [seg_tile(bq), seg_whole]
-        extra = (segs, segs)
+        extra = segs
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, bq=bq, **common),
+        kernels[0],
         grid=(m // bk, bh),
         in_specs=dkdv_specs,
         out_specs=[tile(bk, d), tile(bk, dv_dim)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_compiler_params(4, 2, interpret),
         interpret=interpret,
-        name="band_attention_dkdv",
-    )(q, k, v, g, lse, delta, *extra)
+        name=f"{name}_dkdv",
+    )(*tables[0], q, k, v, g, lse, delta, *extra)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, bk=bk, **common),
+        kernels[1],
         grid=(m // bq, bh),
         in_specs=dq_specs,
         out_specs=tile(bq, d),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(4, 2, interpret),
         interpret=interpret,
-        name="band_attention_dq",
-    )(q, k, v, g, lse, delta, *extra)
+        name=f"{name}_dq",
+    )(*tables[1], q, k, v, g, lse, delta, *extra)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _band(q, k, v, segs, left, right, scale, n, bq, bk, interpret):
+    return _band_fwd(q, k, v, segs, left, right, scale, n, bq, bk, interpret)[0]
+
+
+def _band_fwd(q, k, v, segs, left, right, scale, n, bq, bk, interpret):
+    kernel = functools.partial(
+        _forward_kernel, scale=scale, left=left, right=right, n=n, bk=bk,
+        segmented=segs is not None,
+    )  # fmt: skip
+    pair = None if segs is None else (segs, segs)
+    out, lse = flash_forward(kernel, "band_attention", q, k, v, pair, bq, interpret)
+    return out, (q, k, v, segs, out, lse)
+
+
+def _band_bwd(left, right, scale, n, bq, bk, interpret, res, g):
+    q, k, v, segs, out, lse = res
+    delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+    common = dict(scale=scale, left=left, right=right, n=n, segmented=segs is not None)
+    kernels = (
+        functools.partial(_dkdv_kernel, bq=bq, **common),
+        functools.partial(_dq_kernel, bk=bk, **common),
+    )
+    pair = None if segs is None else (segs, segs)
+    dq, dk, dv = flash_backward(
+        kernels, "band_attention", q, k, v, pair, g.astype(q.dtype), lse, delta, (bq, bk),
+        interpret,
+    )  # fmt: skip
     return dq, dk, dv, None
 
 

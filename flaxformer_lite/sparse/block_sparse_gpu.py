@@ -43,17 +43,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from flaxformer_lite.sparse.band_gpu import (
     _NEG,
-    _compiler_params,
     _pad_heads,
     _rows,
-    _segment_specs,
-    _specs,
     _tile_width,
+    flash_backward,
+    flash_forward,
 )
 from flaxformer_lite.sparse.regroup import Part, pattern_parts
 from flaxformer_lite.sparse.tiles import TilePlan
 
 Array = jax.Array
+NAME = "block_sparse_attention"  # its three kernels: NAME_forward, NAME_dkdv, NAME_dq
 
 
 def _allowed(mask_ref, mid, qs, ks) -> Array:
@@ -172,11 +172,6 @@ def _dq_kernel(*refs, scale, bk, segmented):
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _whole(x) -> pl.BlockSpec:
-    """Every program reads the whole (small) table."""
-    return pl.BlockSpec(x.shape, lambda t, r: (0,) * x.ndim)
-
-
 def _tables(plan: TilePlan, transpose: bool) -> tuple[Array, ...]:
     """(counts, tiles, mask ids, masks) of the query tiles' lists (or the key tiles')."""
     if transpose:
@@ -188,72 +183,24 @@ def _tables(plan: TilePlan, transpose: bool) -> tuple[Array, ...]:
 
 def _forward(q, k, v, segs, plan: TilePlan, scale, interpret):
     """(out, lse) of one part, in its own order: ``segs`` = (query ids, key ids) or None."""
-    bh, m, d = q.shape
-    bq, bk = plan.bq, plan.bk
+    kernel = functools.partial(_forward_kernel, scale=scale, bk=plan.bk, segmented=segs is not None)
     tables = _tables(plan, transpose=False)
-    tile, whole = _specs(m)
-    in_specs = [*map(_whole, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
-    extra = ()
-    if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
-        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], segs
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, bk=bk, segmented=segs is not None),
-        grid=(m // bq, bh),
-        in_specs=in_specs,
-        out_specs=[tile(bq, v.shape[-1]), pl.BlockSpec((None, bq), lambda t, r: (r, t))],
-        out_shape=[
-            jax.ShapeDtypeStruct((bh, m, v.shape[-1]), q.dtype),
-            jax.ShapeDtypeStruct((bh, m), jnp.float32),
-        ],
-        compiler_params=_compiler_params(4, 2, interpret),
-        interpret=interpret,
-        name="block_sparse_attention_forward",
-    )(*tables, q, k, v, *extra)
+    return flash_forward(kernel, NAME, q, k, v, segs, plan.bq, interpret, tables)
 
 
 def _backward(q, k, v, segs, plan: TilePlan, scale, interpret, g, lse, delta):
     """(dq, dk, dv) of one part, in its own order, given the whole attention's
     log-sum-exp and ``delta = rowsum(out * g)`` (a part's probabilities are its share
     of the whole softmax)."""
-    bh, m, d = q.shape
-    bq, bk, dv_dim = plan.bq, plan.bk, v.shape[-1]
-    tile, whole = _specs(m)
-    whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
-    tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
-    by_key, by_query = _tables(plan, transpose=True), _tables(plan, transpose=False)
-    dkdv_specs = [*map(_whole, by_key), whole(d), tile(bk, d), tile(bk, dv_dim), whole(dv_dim),
-                  whole_vec, whole_vec]  # fmt: skip
-    dq_specs = [*map(_whole, by_query), tile(bq, d), whole(d), whole(dv_dim), tile(bq, dv_dim),
-                tile_vec, tile_vec]  # fmt: skip
-    extra = ()
-    if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
-        dkdv_specs += [seg_whole, seg_tile(bk)]  # query ids whole, key ids of the tile
-        dq_specs += [seg_tile(bq), seg_whole]
-        extra = segs
-    segmented = segs is not None
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, scale=scale, bq=bq, segmented=segmented),
-        grid=(m // bk, bh),
-        in_specs=dkdv_specs,
-        out_specs=[tile(bk, d), tile(bk, dv_dim)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compiler_params(4, 2, interpret),
-        interpret=interpret,
-        name="block_sparse_attention_dkdv",
-    )(*by_key, q, k, v, g, lse, delta, *extra)
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, bk=bk, segmented=segmented),
-        grid=(m // bq, bh),
-        in_specs=dq_specs,
-        out_specs=tile(bq, d),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(4, 2, interpret),
-        interpret=interpret,
-        name="block_sparse_attention_dq",
-    )(*by_query, q, k, v, g, lse, delta, *extra)
-    return dq, dk, dv
+    common = dict(scale=scale, segmented=segs is not None)
+    kernels = (
+        functools.partial(_dkdv_kernel, bq=plan.bq, **common),
+        functools.partial(_dq_kernel, bk=plan.bk, **common),
+    )
+    tables = (_tables(plan, transpose=True), _tables(plan, transpose=False))
+    return flash_backward(
+        kernels, NAME, q, k, v, segs, g, lse, delta, (plan.bq, plan.bk), interpret, tables
+    )
 
 
 def _into(x, slots, axis: int = 1):
