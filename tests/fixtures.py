@@ -236,3 +236,28 @@ def kill_when(child, ready: Callable[[], bool], timeout: float = 120) -> None:
         time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
     child.wait()
+
+
+def triton_lowering(loss, *shapes) -> str:
+    """The MLIR of ``jax.value_and_grad(loss)`` exported for the cuda platform, on an
+    abstract H100 where jax asks for one (jax >= 0.11): the lowering a GPU's jit does,
+    Pallas' Triton kernels included, run on a CPU so that a construct Triton cannot
+    express fails here rather than on a lease."""
+    import contextlib
+
+    import jax
+    from jax import export
+
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    target = contextlib.nullcontext()
+    if hasattr(jax.sharding, "AbstractDevice"):
+        h100 = jax.sharding.AbstractDevice(
+            device_kind="NVIDIA H100", num_cores=None, platform="cuda"
+        )
+        target = jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+        )
+    grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(shapes)))))
+    with target:
+        exported = export.export(grad, platforms=["cuda"], disabled_checks=[triton])(*shapes)
+    return exported.mlir_module()

@@ -3,8 +3,6 @@ float64 dense reference with the band's mask, through Pallas' interpreter on CPU
 compiled by Triton on a GPU (marked gpu); and its loop bounds, which are the point of
 the kernel: every block they skip holds no allowed pair, every block they visit holds one."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.band_gpu import _key_blocks, _query_blocks, band_attention, band_of
+from tests.fixtures import triton_lowering
 
 
 def _mask(n, left, right, segments=None):
@@ -156,8 +155,6 @@ def test_kernels_lower_to_triton():
     """The three kernels lower to Triton's IR here, without a GPU (jax.export for the
     cuda platform runs the same lowering a GPU's jit does), so a construct Triton cannot
     express fails on CPU, not on a lease."""
-    from jax import export
-
     seg = jnp.ones((1, 256), jnp.int32)
 
     def loss(q, k, v):
@@ -166,22 +163,7 @@ def test_kernels_lower_to_triton():
         return jnp.sum(plain) + jnp.sum(packed)
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    target = contextlib.nullcontext()
-    if hasattr(jax.sharding, "AbstractDevice"):  # jax >= 0.11 asks which GPU to lower for
-        h100 = jax.sharding.AbstractDevice(
-            device_kind="NVIDIA H100", num_cores=None, platform="cuda"
-        )
-        target = jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
-        )
-    with target:
-        exported = export.export(
-            jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
-            platforms=["cuda"],
-            disabled_checks=[triton],
-        )(x, x, x)
-    text = exported.mlir_module()
+    text = triton_lowering(loss, x, x, x)
     for name in ("band_attention_forward", "band_attention_dkdv", "band_attention_dq"):
         assert text.count(f'name = "{name}"') == 2  # without and with segment ids
 

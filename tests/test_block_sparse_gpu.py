@@ -5,7 +5,6 @@ interpreter on CPU (a few patterns here, the whole catalogue in the slow tier), 
 rows, lengths that are no multiple of the tiles, a dropped tile caught, and the
 lowering to Triton for an H100; on a GPU (marked gpu), compiled by Triton in bfloat16."""
 
-import contextlib
 import dataclasses
 
 import jax
@@ -18,6 +17,7 @@ from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
 from flaxformer_lite.sparse.regroup import pattern_parts
 from flaxformer_lite.sparse.spec import parse_spec, pattern_names
 from flaxformer_lite.sparse.tiles import tile_plan
+from tests.fixtures import triton_lowering
 
 # One small instance of every registered name (block 8, so that n = 40-100 holds
 # several of each pattern's blocks), and the two ways of combining them.
@@ -249,8 +249,6 @@ def test_kernels_lower_to_triton():
     """The three kernels lower to Triton's IR here, without a GPU (jax.export for the
     cuda platform runs the lowering a GPU's jit does), so a construct Triton cannot
     express (the tables' scalar loads, the masks' int8 tiles) fails on CPU."""
-    from jax import export
-
     seg = jnp.ones((1, 256), jnp.int32)
     pattern = P.bigbird(64, 3, 1, 1)
 
@@ -262,22 +260,7 @@ def test_kernels_lower_to_triton():
         return jnp.sum(plain) + jnp.sum(packed) + jnp.sum(strided)
 
     x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    target = contextlib.nullcontext()
-    if hasattr(jax.sharding, "AbstractDevice"):  # jax >= 0.11 asks which GPU to lower for
-        h100 = jax.sharding.AbstractDevice(
-            device_kind="NVIDIA H100", num_cores=None, platform="cuda"
-        )
-        target = jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
-        )
-    with target:
-        exported = export.export(
-            jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
-            platforms=["cuda"],
-            disabled_checks=[triton],
-        )(x, x, x)
-    text = exported.mlir_module()
+    text = triton_lowering(loss, x, x, x)
     for name in ("forward", "dkdv", "dq"):  # plain, packed, and strided's two parts
         assert text.count(f'name = "block_sparse_attention_{name}"') == 4
 
