@@ -34,7 +34,7 @@ def test_profile_values():
 def test_a_scanned_rematerialized_profiled_run_resumes_unrolled(
     fixture_data, tmp_path, monkeypatch
 ):
-    """:debug with model.scan_layers, remat=full and train.profile=1:1 trains and
+    """:debug with model.scan_layers, remat=full and train.profile=2:2 trains and
     writes its trace; the same run resumed with scan_layers=False reads the scanned
     checkpoint (parameters and Adam's moments converted) and trains on."""
     import json
@@ -44,13 +44,13 @@ def test_a_scanned_rematerialized_profiled_run_resumes_unrolled(
 
     train_on_one_device(monkeypatch)
     workdir = tmp_path / "run"
-    config = debug_config(fixture_data[1], num_steps=2, eval_every=2, checkpoint_every=2)
-    config.model.scan_layers, config.model.remat, config.train.profile = True, "full", "1:1"
+    config = debug_config(fixture_data[1], num_steps=3, eval_every=3, checkpoint_every=3)
+    config.model.scan_layers, config.model.remat, config.train.profile = True, "full", "2:2"
     config.train.eval_bleu_sentences = 0
     first = train_and_evaluate(config, workdir)
     assert list((workdir / "profile").glob("plugins/profile/*/*.xplane.pb"))
-    config.model.scan_layers, config.train.num_steps, config.train.profile = False, 4, ""
+    config.model.scan_layers, config.train.num_steps, config.train.profile = False, 5, ""
     second = train_and_evaluate(config, workdir)
-    assert first["step"] == 2 and second["step"] == 4 and second["trained_steps"] == 2
+    assert first["step"] == 3 and second["step"] == 5 and second["trained_steps"] == 2
     steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
-    assert max(steps) == 4
+    assert max(steps) == 5

@@ -65,6 +65,9 @@ def test_metrics_reach_an_offline_run_and_a_resume_continues_it(tmp_path, monkey
     resumed = MetricsLogger(tmp_path, 10, tracker=WandbRun(tmp_path, "t"))
     resumed.write(3, {"loss": 1.5, "nan_is_left_out": float("nan")})
     resumed.close()
+    scores = WandbRun(tmp_path, "t")  # main evaluate's scores, into the run's summary
+    scores.summary({"test/bleu": 7.5})
+    scores.close()
     assert (tmp_path / RUN_ID_FILE).read_text() == run_id
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and all(r.name.endswith(run_id) for r in runs)  # one W&B run id
@@ -72,6 +75,12 @@ def test_metrics_reach_an_offline_run_and_a_resume_continues_it(tmp_path, monkey
     assert history[(1, "train/loss")] == 4.0 and history[(2, "train/loss")] == 3.0
     assert history[(2, "val/bleu")] == 1.25 and history[(3, "train/loss")] == 1.5
     assert not any("nan_is_left_out" in k for _, k in history)
+    summary = {}
+    for path in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"):
+        for record in _records(path):
+            if record.WhichOneof("record_type") == "summary":
+                summary.update({i.key: i.value_json for i in record.summary.update})
+    assert float(summary["test/bleu"]) == 7.5
 
 
 def test_without_wandb_the_field_is_refused(monkeypatch):
