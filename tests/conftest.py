@@ -117,8 +117,10 @@ FILE_SECONDS = {
     "test_multiprocess.py": 33,
     "test_synthetic.py": 30,
     "test_translate.py": 26,
+    "test_profile.py": 24,
     "test_generate.py": 23,
     "test_sharding.py": 22,
+    "test_scan_layers.py": 18,
     "test_steps.py": 20,
     "test_cli.py": 20,
     "test_own_files.py": 17,
@@ -126,6 +128,7 @@ FILE_SECONDS = {
     "test_float64.py": 19,
     "test_run.py": 14,
     "test_chunked.py": 13,
+    "test_block_sparse_gpu.py": 12,
     "test_data_pipeline.py": 11,
     "test_band_gpu.py": 11,
 }

@@ -32,7 +32,7 @@ def _models(config, arch):
     return cls(config), cls(config.replace(scan_layers=True))
 
 
-@pytest.mark.parametrize("arch", ["translation", "sparse lm"])
+@pytest.mark.parametrize("arch", ["translation", pytest.param("sparse lm", marks=pytest.mark.slow)])
 def test_scanned_equals_unrolled_in_float64(arch):
     # float64 end to end: the same operations in a loop; observed equal to ~1e-16, the
     # bound 1e-12 relative.
