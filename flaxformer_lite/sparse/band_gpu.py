@@ -35,16 +35,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flaxformer_lite.sparse.flash_gpu import (
+    NEG,
+    flash_backward,
+    flash_forward,
+    pad_heads,
+    rows,
+    tile_width,
+)
+
 Array = jax.Array
-
-_NEG = -1e30  # a masked logit: finite, so a row whose first block is all masked stays finite
-
-
-def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
-    """Triton's launch parameters (only on a GPU; the interpreter takes none)."""
-    if interpret:
-        return None
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _allowed(q_first, k_first, shape, left: int, right: int, n: int, segs=None) -> Array:
@@ -102,7 +102,7 @@ def _forward_kernel(*refs, scale, left, right, n, bk, segmented):
     def body(j, carry):
         acc, m, l = carry
         _, v, s, ok = tile(j)
-        s = jnp.where(ok, s, _NEG)
+        s = jnp.where(ok, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
@@ -112,7 +112,7 @@ def _forward_kernel(*refs, scale, left, right, n, bk, segmented):
     lo, hi = _key_blocks(i, bq, bk, left, right, n)
     init = (
         jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
-        jnp.full((bq,), _NEG, jnp.float32),
+        jnp.full((bq,), NEG, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(lo, hi, body, init)
@@ -186,114 +186,6 @@ def _dq_kernel(*refs, scale, left, right, n, bk, segmented):
     lo, hi = _key_blocks(i, bq, bk, left, right, n)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
-
-
-def _rows(x: Array, block: int) -> tuple[Array, int]:
-    """[b, n, h, d] -> [b*h, m, d] with m the next multiple of block (zeros appended)."""
-    b, n, h, d = x.shape
-    m = -(-n // block) * block
-    x = jnp.swapaxes(x, 1, 2).reshape(b * h, n, d)
-    return jnp.pad(x, ((0, 0), (0, m - n), (0, 0))), m
-
-
-def _specs(m: int):
-    """BlockSpecs of one tile of ``rows`` rows and of a whole row, for grid (tiles, b*h)."""
-
-    def tile(rows, d):
-        return pl.BlockSpec((None, rows, d), lambda t, r: (r, t, 0))
-
-    def whole(d):
-        return pl.BlockSpec((None, m, d), lambda t, r: (r, 0, 0))
-
-    return tile, whole
-
-
-def _segment_specs(segs, bh: int, m: int):
-    """Specs of the ``[b, m]`` segment ids for grid (tiles, b*h): a tile of a row, and
-    the whole row, of the batch row r // h."""
-    h = bh // segs.shape[0]
-
-    def tile(rows):
-        return pl.BlockSpec((None, rows), lambda t, r: (r // h, t))
-
-    return tile, pl.BlockSpec((None, m), lambda t, r: (r // h, 0))
-
-
-def whole_table(x) -> pl.BlockSpec:
-    """Every program reads the whole (small) table ``x``."""
-    return pl.BlockSpec(x.shape, lambda t, r: (0,) * x.ndim)
-
-
-def flash_forward(kernel, name: str, q, k, v, segs, bq: int, interpret: bool, tables=()):
-    """(out, lse) of a flash-attention forward ``kernel`` over the grid (query tiles,
-    b*h). Its refs: ``tables`` (whole), the query tile, every key and value, then with
-    ``segs`` = (query ids, key ids) the tile's query ids and every key id; then the
-    output tile and its log-sum-exps. (The band kernel and the block-sparse kernel.)"""
-    bh, m, d = q.shape
-    tile, whole = _specs(m)
-    in_specs = [*map(whole_table, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
-    extra = ()
-    if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
-        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], segs
-    return pl.pallas_call(
-        kernel,
-        grid=(m // bq, bh),
-        in_specs=in_specs,
-        out_specs=[tile(bq, v.shape[-1]), pl.BlockSpec((None, bq), lambda t, r: (r, t))],
-        out_shape=[
-            jax.ShapeDtypeStruct((bh, m, v.shape[-1]), q.dtype),
-            jax.ShapeDtypeStruct((bh, m), jnp.float32),
-        ],
-        compiler_params=_compiler_params(4, 2, interpret),
-        interpret=interpret,
-        name=f"{name}_forward",
-    )(*tables, q, k, v, *extra)
-
-
-def flash_backward(kernels, name: str, q, k, v, segs, g, lse, delta, tiles, interpret,
-                   tables=((), ())):  # fmt: skip
-    """(dq, dk, dv) of a flash-attention backward: ``kernels`` = (dk/dv kernel over the
-    grid (key tiles, b*h), dq kernel over (query tiles, b*h)); ``tiles`` = (bq, bk);
-    ``tables`` = (the dk/dv kernel's, the dq kernel's), read whole. Each kernel's refs:
-    its tables, q, k, v, the output's gradient, lse and delta (a whole row or the
-    kernel's tile of each), with ``segs`` the segment ids, then its outputs."""
-    bh, m, d = q.shape
-    (bq, bk), dv_dim = tiles, v.shape[-1]
-    tile, whole = _specs(m)
-    whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
-    tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
-    dkdv_specs = [*map(whole_table, tables[0]), whole(d), tile(bk, d), tile(bk, dv_dim),
-                  whole(dv_dim), whole_vec, whole_vec]  # fmt: skip
-    dq_specs = [*map(whole_table, tables[1]), tile(bq, d), whole(d), whole(dv_dim),
-                tile(bq, dv_dim), tile_vec, tile_vec]  # fmt: skip
-    extra = ()
-    if segs is not None:
-        seg_tile, seg_whole = _segment_specs(segs[0], bh, m)
-        dkdv_specs += [seg_whole, seg_tile(bk)]  # query ids whole, key ids of the tile
-        dq_specs += [seg_tile(bq), seg_whole]
-        extra = segs
-    dk, dv = pl.pallas_call(
-        kernels[0],
-        grid=(m // bk, bh),
-        in_specs=dkdv_specs,
-        out_specs=[tile(bk, d), tile(bk, dv_dim)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compiler_params(4, 2, interpret),
-        interpret=interpret,
-        name=f"{name}_dkdv",
-    )(*tables[0], q, k, v, g, lse, delta, *extra)
-    dq = pl.pallas_call(
-        kernels[1],
-        grid=(m // bq, bh),
-        in_specs=dq_specs,
-        out_specs=tile(bq, d),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(4, 2, interpret),
-        interpret=interpret,
-        name=f"{name}_dq",
-    )(*tables[1], q, k, v, g, lse, delta, *extra)
-    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
@@ -375,12 +267,12 @@ def band_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dv = value.shape[-1]
     query, key, value = (
-        _pad_heads(query, _tile_width(d)),
-        _pad_heads(key, _tile_width(d)),
-        _pad_heads(value, _tile_width(dv)),
+        pad_heads(query, tile_width(d)),
+        pad_heads(key, tile_width(d)),
+        pad_heads(value, tile_width(dv)),
     )
     block = max(block_q, block_k)
-    (q, m), (k, _), (v, _) = (_rows(x, block) for x in (query, key, value))
+    (q, m), (k, _), (v, _) = (rows(x, block) for x in (query, key, value))
     segs = None
     if segments is not None:
         segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))
@@ -389,15 +281,6 @@ def band_attention(
         interpret = jax.default_backend() != "gpu"
     out = _band(q, k, v, segs, left, right, scale, n, block_q, block_k, bool(interpret))
     return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)
-
-
-def _tile_width(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
-
-
-def _pad_heads(x: Array, width: int) -> Array:
-    d = x.shape[-1]
-    return x if d == width else jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - d)))
 
 
 def band_of(pattern) -> tuple[int, int]:

@@ -41,13 +41,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.band_gpu import (
-    _NEG,
-    _pad_heads,
-    _rows,
-    _tile_width,
+from flaxformer_lite.sparse.flash_gpu import (
+    NEG,
     flash_backward,
     flash_forward,
+    pad_heads,
+    rows,
+    tile_width,
 )
 from flaxformer_lite.sparse.regroup import Part, pattern_parts
 from flaxformer_lite.sparse.tiles import TilePlan
@@ -98,7 +98,7 @@ def _forward_kernel(*refs, scale, bk, segmented):
     def body(t, carry):
         acc, m, l = carry
         _, v, s, ok = tile(t)
-        s = jnp.where(ok, s, _NEG)
+        s = jnp.where(ok, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
@@ -107,7 +107,7 @@ def _forward_kernel(*refs, scale, bk, segmented):
 
     init = (
         jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
-        jnp.full((bq,), _NEG, jnp.float32),
+        jnp.full((bq,), NEG, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(0, count_ref[i], body, init)
@@ -246,7 +246,7 @@ def _attend_fwd(q, k, v, segs, parts, scale, interpret):
             interpret,
         )  # fmt: skip
         outs.append(_back(out, s, m))
-        lses.append(_back(lse, s, m, fill=_NEG))
+        lses.append(_back(lse, s, m, fill=NEG))
     if len(parts) == 1:
         out, lse = outs[0], lses[0]
     else:
@@ -335,11 +335,11 @@ def block_sparse_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dv = value.shape[-1]
     query, key, value = (
-        _pad_heads(query, _tile_width(d)),
-        _pad_heads(key, _tile_width(d)),
-        _pad_heads(value, _tile_width(dv)),
+        pad_heads(query, tile_width(d)),
+        pad_heads(key, tile_width(d)),
+        pad_heads(value, tile_width(dv)),
     )
-    (q, m), (k, _), (v, _) = (_rows(x, max(block_q, block_k)) for x in (query, key, value))
+    (q, m), (k, _), (v, _) = (rows(x, max(block_q, block_k)) for x in (query, key, value))
     segs = None
     if segments is not None:
         segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))

@@ -1,0 +1,144 @@
+"""What the project's flash-attention kernels for GPUs share (Pallas, lowered by Triton on a
+GPU, run by Pallas' interpreter elsewhere): the layout ``[b*h, m, d]`` with ``m`` padded
+to the tiles and the head size to a power of two, the BlockSpecs of a tile and of a
+whole row over the grid (tiles, b*h), and the three ``pallas_call`` s of a forward and
+backward pass (:func:`flash_forward`, :func:`flash_backward`). The kernels themselves
+(which keys a query tile visits, and how it masks them) are
+:mod:`~flaxformer_lite.sparse.band_gpu`'s and
+:mod:`~flaxformer_lite.sparse.block_sparse_gpu`'s.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Array = jax.Array
+
+NEG = -1e30  # a masked logit: finite, so a row whose first block is all masked stays finite
+
+
+def compiler_params(num_warps: int, num_stages: int, interpret: bool):
+    """Triton's launch parameters (only on a GPU; the interpreter takes none)."""
+    if interpret:
+        return None
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def rows(x: Array, block: int) -> tuple[Array, int]:
+    """[b, n, h, d] -> [b*h, m, d] with m the next multiple of block (zeros appended)."""
+    b, n, h, d = x.shape
+    m = -(-n // block) * block
+    x = jnp.swapaxes(x, 1, 2).reshape(b * h, n, d)
+    return jnp.pad(x, ((0, 0), (0, m - n), (0, 0))), m
+
+
+def specs(m: int):
+    """BlockSpecs of one tile of ``rows`` rows and of a whole row, for grid (tiles, b*h)."""
+
+    def tile(rows, d):
+        return pl.BlockSpec((None, rows, d), lambda t, r: (r, t, 0))
+
+    def whole(d):
+        return pl.BlockSpec((None, m, d), lambda t, r: (r, 0, 0))
+
+    return tile, whole
+
+
+def segment_specs(segs, bh: int, m: int):
+    """Specs of the ``[b, m]`` segment ids for grid (tiles, b*h): a tile of a row, and
+    the whole row, of the batch row r // h."""
+    h = bh // segs.shape[0]
+
+    def tile(rows):
+        return pl.BlockSpec((None, rows), lambda t, r: (r // h, t))
+
+    return tile, pl.BlockSpec((None, m), lambda t, r: (r // h, 0))
+
+
+def whole_table(x) -> pl.BlockSpec:
+    """Every program reads the whole (small) table ``x``."""
+    return pl.BlockSpec(x.shape, lambda t, r: (0,) * x.ndim)
+
+
+def flash_forward(kernel, name: str, q, k, v, segs, bq: int, interpret: bool, tables=()):
+    """(out, lse) of a flash-attention forward ``kernel`` over the grid (query tiles,
+    b*h). Its refs: ``tables`` (whole), the query tile, every key and value, then with
+    ``segs`` = (query ids, key ids) the tile's query ids and every key id; then the
+    output tile and its log-sum-exps. (The band kernel and the block-sparse kernel.)"""
+    bh, m, d = q.shape
+    tile, whole = specs(m)
+    in_specs = [*map(whole_table, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
+    extra = ()
+    if segs is not None:
+        seg_tile, seg_whole = segment_specs(segs[0], bh, m)
+        in_specs, extra = [*in_specs, seg_tile(bq), seg_whole], segs
+    return pl.pallas_call(
+        kernel,
+        grid=(m // bq, bh),
+        in_specs=in_specs,
+        out_specs=[tile(bq, v.shape[-1]), pl.BlockSpec((None, bq), lambda t, r: (r, t))],
+        out_shape=[
+            jax.ShapeDtypeStruct((bh, m, v.shape[-1]), q.dtype),
+            jax.ShapeDtypeStruct((bh, m), jnp.float32),
+        ],
+        compiler_params=compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name=f"{name}_forward",
+    )(*tables, q, k, v, *extra)
+
+
+def flash_backward(kernels, name: str, q, k, v, segs, g, lse, delta, tiles, interpret,
+                   tables=((), ())):  # fmt: skip
+    """(dq, dk, dv) of a flash-attention backward: ``kernels`` = (dk/dv kernel over the
+    grid (key tiles, b*h), dq kernel over (query tiles, b*h)); ``tiles`` = (bq, bk);
+    ``tables`` = (the dk/dv kernel's, the dq kernel's), read whole. Each kernel's refs:
+    its tables, q, k, v, the output's gradient, lse and delta (a whole row or the
+    kernel's tile of each), with ``segs`` the segment ids, then its outputs."""
+    bh, m, d = q.shape
+    (bq, bk), dv_dim = tiles, v.shape[-1]
+    tile, whole = specs(m)
+    whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
+    tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
+    dkdv_specs = [*map(whole_table, tables[0]), whole(d), tile(bk, d), tile(bk, dv_dim),
+                  whole(dv_dim), whole_vec, whole_vec]  # fmt: skip
+    dq_specs = [*map(whole_table, tables[1]), tile(bq, d), whole(d), whole(dv_dim),
+                tile(bq, dv_dim), tile_vec, tile_vec]  # fmt: skip
+    extra = ()
+    if segs is not None:
+        seg_tile, seg_whole = segment_specs(segs[0], bh, m)
+        dkdv_specs += [seg_whole, seg_tile(bk)]  # query ids whole, key ids of the tile
+        dq_specs += [seg_tile(bq), seg_whole]
+        extra = segs
+    dk, dv = pl.pallas_call(
+        kernels[0],
+        grid=(m // bk, bh),
+        in_specs=dkdv_specs,
+        out_specs=[tile(bk, d), tile(bk, dv_dim)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name=f"{name}_dkdv",
+    )(*tables[0], q, k, v, g, lse, delta, *extra)
+    dq = pl.pallas_call(
+        kernels[1],
+        grid=(m // bq, bh),
+        in_specs=dq_specs,
+        out_specs=tile(bq, d),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=compiler_params(4, 2, interpret),
+        interpret=interpret,
+        name=f"{name}_dq",
+    )(*tables[1], q, k, v, g, lse, delta, *extra)
+    return dq, dk, dv
+
+
+def tile_width(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def pad_heads(x: Array, width: int) -> Array:
+    d = x.shape[-1]
+    return x if d == width else jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - d)))
