@@ -17,6 +17,7 @@ from flaxformer_lite.model.head_groups import masked_dense_attention
 from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.blocked import sparse_attention
+from flaxformer_lite.sparse.splash_masks import splash_mask
 
 
 def _qkv(b=2, n=128, h=2, d=32, seed=0):
@@ -243,13 +244,13 @@ def test_splash_reads_its_mask_from_the_tile_plan():
     n = 384
     pattern = P.bigbird(block_size=32, window_blocks=3, global_blocks=1, random_blocks=2)
     for p in (pattern, pattern.causal(), P.Strided(24) | P.Global((5, -1))):
-        mask, dense = kernels._splash_mask(p, n, 128), p.mask(n)
+        mask, dense = splash_mask(p, n, 128), p.mask(n)
         for rows, cols in [
             (slice(0, 128), slice(128, 256)), (slice(None), slice(200, 201)),
             (slice(37, 300), slice(5, 383)), (slice(None), slice(None)),
         ]:  # fmt: skip
             np.testing.assert_array_equal(mask[rows, cols], dense[rows, cols])
-        assert hash(mask) == hash(kernels._splash_mask(p, n, 128))
+        assert hash(mask) == hash(splash_mask(p, n, 128))
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ and a bad value is refused with the form to write."""
 import pytest
 
 from flaxformer_lite.config.model import ConfigError
-from flaxformer_lite.config.rules import profile_steps
+from flaxformer_lite.config.profile import profile_steps
 
 
 def test_the_run_wrote_a_trace_of_its_train_steps(trained_run):

@@ -26,8 +26,9 @@ import re
 from typing import Any
 
 from flaxformer_lite.config.fields import ConfigError
+from flaxformer_lite.config.gpu_kernels import gpu_kernel
 from flaxformer_lite.config.mesh import MeshError, parse_mesh
-from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.config.profile import profile_steps
 from flaxformer_lite.sparse.spec import PatternSpecError, check_spec, is_dense, parse_spec
 
 # Score functions ----------------------------------------------------------------------
@@ -70,52 +71,6 @@ KERNELS = {
 # With a sparse pattern, blocked and reference compute dot-product scores without
 # dropout on the weights (their dense path takes any score and dropout).
 SPARSE_NEEDS_DOT = ("blocked", "reference")
-
-
-def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
-    """(causal, left window w: keys ``i-w..i``) of a pattern cuDNN's kernel computes, or
-    ValueError. A two-sided Local band is not among them (see :func:`gpu_kernel`)."""
-    if type(pattern) is P.Full:
-        return pattern.is_causal, None
-    if type(pattern) is P.Local and pattern.is_causal:
-        return True, pattern.window
-    if type(pattern) is P.Local:
-        raise ValueError(
-            f"cuDNN's sliding window is left-only (causal), and Local(window={pattern.window}) "
-            "is two-sided; it runs on the band kernel (sparse/band_gpu.py)"
-        )
-    raise ValueError(
-        f"cuDNN computes dense, causal and local-window attention, not "
-        f"{type(pattern).__name__}; it runs on the block-sparse kernel (sparse/block_sparse_gpu.py)"
-    )
-
-
-# The kernels that attention_impl=cudnn runs a head group on, by its pattern: cuDNN for
-# dense, causal and causal-window attention; the project's band kernel for a two-sided
-# window; the project's fused block-sparse kernel for every other static pattern.
-GPU_KERNELS = {
-    "cudnn": "cuDNN's fused kernel",
-    "band": "the band kernel (Triton)",
-    "block_sparse": "the block-sparse kernel (Triton)",
-}
-
-
-def gpu_kernel(pattern: P.Pattern) -> str:
-    """The :data:`GPU_KERNELS` entry that runs ``pattern`` under ``attention_impl=cudnn``;
-    ValueError for top-k attention (its keys depend on the scores: no fused kernel)."""
-    if isinstance(pattern, P.TopK):
-        raise ValueError(
-            "topk attention's keys depend on the scores, so no fused GPU kernel computes "
-            "it; use attention_impl=blocked for that head group's model"
-        )
-    if type(pattern) is P.Full or (type(pattern) is P.Local and pattern.is_causal):
-        return "cudnn"
-    return "band" if type(pattern) is P.Local else "block_sparse"
-
-
-def cudnn_computes(pattern: P.Pattern) -> bool:
-    """True if cuDNN's own kernel computes ``pattern`` (see :func:`gpu_kernel`)."""
-    return gpu_kernel(pattern) == "cudnn"
 
 
 # The model -------------------------------------------------------------------------------
@@ -298,19 +253,6 @@ def check_data(d: Any) -> None:
         )
     if d.task == "translation" and d.source_lang == d.target_lang:
         raise ConfigError(f"config.data.source_lang and target_lang are both {d.source_lang!r}")
-
-
-def profile_steps(spec: str) -> tuple[int, int] | None:
-    """``train.profile`` as (first step, steps), None for ''; ConfigError otherwise."""
-    if not spec:
-        return None
-    found = re.fullmatch(r"(\d+):(\d+)", spec.strip())
-    if not found or int(found.group(1)) < 1 or int(found.group(2)) < 1:
-        raise ConfigError(
-            f"config.train.profile={spec!r}: write START:STEPS with positive integers, e.g. "
-            "2:3 traces steps 2, 3 and 4 (step 1 compiles); '' for no trace"
-        )
-    return int(found.group(1)), int(found.group(2))
 
 
 def check_train(t: Any) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import flax.linen as nn
 
 from flaxformer_lite.config.experiment import TASKS
+from flaxformer_lite.config.gpu_kernels import GPU_KERNELS, gpu_kernel
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.config.rules import GPU_KERNELS, gpu_kernel
 from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer

@@ -45,7 +45,7 @@ def multihead_sparse_attention(
     """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
 
     ``impl=cudnn`` runs each group on the fused GPU kernel for its pattern
-    (:func:`~flaxformer_lite.config.rules.gpu_kernel`): cuDNN for dense, causal and
+    (:func:`~flaxformer_lite.config.gpu_kernels.gpu_kernel`): cuDNN for dense, causal and
     causal-window groups, the project's band kernel for a two-sided window, its
     block-sparse kernel (:mod:`flaxformer_lite.sparse.block_sparse_gpu`) for every other
     pattern; ``packed``: rows hold several examples (``segments`` from the batch's

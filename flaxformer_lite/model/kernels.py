@@ -7,7 +7,7 @@
   Triton kernels: a two-sided window on the band kernel
   (:mod:`flaxformer_lite.sparse.band_gpu`), every other static pattern on the
   block-sparse kernel (:mod:`flaxformer_lite.sparse.block_sparse_gpu`); which kernel
-  runs which pattern is :func:`gpu_kernel` (config/rules.py). cuDNN's limits and how
+  runs which pattern is :func:`gpu_kernel` (config/gpu_kernels.py). cuDNN's limits and how
   each is met are listed above :class:`CudnnCall`.
 * ``splash``: TPU splash attention (Pallas) for any of the project's sparse
   patterns: ``Full`` -> ``FullMask``/``CausalMask``, ``Local`` -> ``LocalMask``,
@@ -25,19 +25,17 @@ not run on, :func:`platform_mode` raises one message naming what to pick.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import math
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
-from flaxformer_lite.config.rules import GPU_KERNELS, cudnn_computes, cudnn_window, gpu_kernel
+from flaxformer_lite.config.gpu_kernels import GPU_KERNELS, cudnn_computes, cudnn_window, gpu_kernel
 from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.tiles import TilePlan, tile_plan
+from flaxformer_lite.sparse.splash_masks import splash_mask
 
 __all__ = ["GPU_KERNELS", "CudnnCall", "cudnn_attention", "cudnn_call", "cudnn_computes",
            "cudnn_window", "gpu_kernel", "platform_mode", "splash_attention"]  # fmt: skip
@@ -83,7 +81,7 @@ def platform_mode(impl: str):
 #   and numbered in order, as packing makes them, at most ``max_segments`` per row).
 # * windows: cuDNN's sliding window is left-only (keys i-w..i) and so implies
 #   causality: a causal Local(w) pattern runs on cuDNN, a non-causal one cannot, and
-#   ``cudnn_computes`` (config/rules.py, the table of what each kernel supports) sends
+#   ``cudnn_computes`` (config/gpu_kernels.py, which kernel runs which pattern) sends
 #   it to the project's band kernel (sparse/band_gpu.py: Triton on a GPU) instead.
 # * head size: a multiple of 8 and at most 256 (Hopper; 128 before it): a config rule.
 
@@ -301,68 +299,6 @@ def cudnn_attention(
 # Splash ---------------------------------------------------------------------------
 
 
-def _splash_mask(pattern: P.Pattern, n: int, block: int):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as M
-
-    shape = (n, n)
-    kind = type(pattern)
-    if kind is P.Full:
-        return M.CausalMask(shape) if pattern.is_causal else M.FullMask(shape)
-    if kind is P.Local:
-        w = pattern.window
-        return M.LocalMask(shape, (w, 0 if pattern.is_causal else w), offset=0)
-    if kind is P.BlockLocal and pattern.radius == 0 and pattern.is_causal:
-        return M.ChunkedCausalMask(shape, pattern.block_size)
-    return _plan_mask_class()(tile_plan(pattern, n, block, block), pattern)
-
-
-@functools.cache
-def _plan_mask_class():
-    """A splash mask read from the tile plan the GPU's block-sparse kernel uses: splash
-    asks for the mask block by block, and a block is empty, full or one of the plan's
-    few partial masks, so no ``[n, n]`` array is formed (a ``NumpyMask`` of it was 4 GB
-    at 64k tokens)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as M
-
-    class PlanMask(M.Mask):
-        def __init__(self, plan: TilePlan, pattern: P.Pattern):
-            self.plan, self.pattern, self.grid = plan, pattern, plan.tile_mask()
-
-        @property
-        def shape(self) -> tuple[int, int]:
-            return (self.plan.n, self.plan.n)
-
-        def __getitem__(self, idx) -> np.ndarray:
-            rows, cols = (range(*s.indices(self.plan.n)) for s in idx)
-            if rows.step != 1 or cols.step != 1:
-                raise NotImplementedError(f"PlanMask takes contiguous slices, not {idx}")
-            plan, out = self.plan, np.zeros((len(rows), len(cols)), bool)
-            for a in range(rows.start // plan.bq, -(-rows.stop // plan.bq)):
-                for b in range(cols.start // plan.bk, -(-cols.stop // plan.bk)):
-                    if self.grid[a, b] < 0:
-                        continue
-                    r0, r1 = max(a * plan.bq, rows.start), min((a + 1) * plan.bq, rows.stop)
-                    c0, c1 = max(b * plan.bk, cols.start), min((b + 1) * plan.bk, cols.stop)
-                    tile = plan.masks[self.grid[a, b]]
-                    out[r0 - rows.start : r1 - rows.start, c0 - cols.start : c1 - cols.start] = (
-                        tile[
-                            r0 - a * plan.bq : r1 - a * plan.bq, c0 - b * plan.bk : c1 - b * plan.bk
-                        ]
-                    )
-            return out
-
-        def __eq__(self, other: object) -> bool:
-            return isinstance(other, PlanMask) and (self.pattern, self.shape) == (
-                other.pattern,
-                other.shape,
-            )
-
-        def __hash__(self) -> int:
-            return hash((type(self).__name__, self.pattern, self.shape))
-
-    return PlanMask
-
-
 def splash_attention(
     query: Array,
     key: Array,
@@ -390,7 +326,7 @@ def splash_attention(
         )
     per = h // len(patterns)
     block = math.gcd(n, max(128, block_size))
-    masks = [_splash_mask(p, n, block) for p in patterns for _ in range(per)]
+    masks = [splash_mask(p, n, block) for p in patterns for _ in range(per)]
     sizes = K.BlockSizes(
         block_q=block,
         block_kv=block,

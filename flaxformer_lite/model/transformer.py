@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax import Array
 
@@ -45,6 +44,7 @@ from flaxformer_lite.model.masks import (
     make_segment_mask,
 )
 from flaxformer_lite.model.multihead import MultiHeadAttention
+from flaxformer_lite.model.stacks import rematerialized, scanned
 
 
 def shift_right(tokens: Array, bos_id: int, positions: Array | None = None) -> Array:
@@ -94,65 +94,6 @@ def _check_length(c: ModelConfig, length: int, what: str) -> None:
             f"{what} length {length} exceeds model.max_len={c.max_len}; truncate the "
             f"sequences or raise model.max_len"
         )
-
-
-def rematerialized(layer_class, policy: str, static_argnums: tuple[int, ...]):
-    """``layer_class`` whose activations are recomputed in the backward pass under the
-    ``model.remat`` policy (``none``: the class itself). ``static_argnums``: the
-    positions of its Python-valued arguments (``deterministic``, ``decode``) in
-    ``__call__``, ``self`` counted as 0 (flax's lifted remat passes the module too)."""
-    if policy == "none":
-        return layer_class
-    policies = jax.checkpoint_policies
-    keep = {
-        "full": policies.nothing_saveable,
-        "dots": policies.dots_with_no_batch_dims_saveable,
-        "dots_all": policies.checkpoint_dots,
-    }[policy]
-    return nn.remat(layer_class, policy=keep, static_argnums=static_argnums)
-
-
-class _EncoderBody(nn.Module):
-    """One encoder layer as a scan body: (x, mask, positions) -> (x, None)."""
-
-    config: ModelConfig
-    deterministic: bool = True
-
-    @nn.compact
-    def __call__(self, x, mask, positions):
-        c = self.config
-        layer = rematerialized(EncoderLayer, c.remat, static_argnums=(3,))(c, name="layer")
-        return layer(x, mask, self.deterministic, positions), None
-
-
-class _DecoderBody(nn.Module):
-    """One decoder layer as a scan body."""
-
-    config: ModelConfig
-    cross: bool = True
-    deterministic: bool = True
-
-    @nn.compact
-    def __call__(self, x, encoded, self_mask, cross_mask, positions):
-        c = self.config
-        layer_class = rematerialized(DecoderLayer, c.remat, static_argnums=(5, 6))
-        layer = layer_class(c, self.cross, name="layer")
-        return layer(x, encoded, self_mask, cross_mask, self.deterministic, False, positions), None
-
-
-def _scanned(body, length: int):
-    """``length`` copies of a layer ``body`` as one ``nn.scan`` (``model.scan_layers``):
-    compiled once, their parameters stacked along the ``layers`` logical axis, every
-    argument but the carried activations the same for each layer. Each copy is the
-    layer of index 0: a pattern must be the same in every layer (config/rules.py)."""
-    return nn.scan(
-        body,
-        variable_axes={"params": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=nn.broadcast,
-        length=length,
-        metadata_params={nn.PARTITION_NAME: P.LAYERS},
-    )
 
 
 class EncoderLayer(nn.Module):
@@ -282,8 +223,10 @@ class Encoder(nn.Module):
         )
         layer_class = rematerialized(EncoderLayer, c.remat, static_argnums=(3,))
         if c.scan_layers:
-            body = _scanned(_EncoderBody, c.num_encoder_layers)
-            x, _ = body(c, deterministic, name="layers")(x, mask, positions)
+            stack = scanned(c.num_encoder_layers)(
+                EncoderLayer, c, static=(deterministic,), static_argnums=(3,), name="layers"
+            )
+            x, _ = stack(x, (mask,), positions)
         for i in range(0 if c.scan_layers else c.num_encoder_layers):
             x = layer_class(c, layer=i, name=f"layer_{i}")(x, mask, deterministic, positions)
         if c.ln_position == "pre":
@@ -332,10 +275,11 @@ class Decoder(nn.Module):
         layer_class = rematerialized(DecoderLayer, remat, static_argnums=(5, 6))
         scan = c.scan_layers and not decode  # cached decoding runs the layers unrolled
         if scan:
-            body = _scanned(_DecoderBody, c.num_decoder_layers)
-            x, _ = body(c, self.has_cross_attention, deterministic, name="layers")(
-                x, encoded, self_mask, cross_mask, positions
-            )
+            stack = scanned(c.num_decoder_layers)(
+                DecoderLayer, c, (self.has_cross_attention,), (deterministic, False), (5, 6),
+                name="layers",
+            )  # fmt: skip
+            x, _ = stack(x, (encoded, self_mask, cross_mask), positions)
         for i in range(0 if scan else c.num_decoder_layers):
             x = layer_class(c, self.has_cross_attention, layer=i, name=f"layer_{i}")(
                 x, encoded, self_mask, cross_mask, deterministic, decode, positions

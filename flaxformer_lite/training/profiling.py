@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from flaxformer_lite.config.rules import profile_steps
+from flaxformer_lite.config.profile import profile_steps
 
 
 class StepProfile:
