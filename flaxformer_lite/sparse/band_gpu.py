@@ -36,11 +36,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flaxformer_lite.sparse.flash_gpu import (
-    NEG,
     flash_backward,
     flash_forward,
     pad_heads,
     rows,
+    score_grads,
+    softmax_start,
+    softmax_step,
+    softmax_write,
     tile_width,
 )
 
@@ -100,25 +103,12 @@ def _forward_kernel(*refs, scale, left, right, n, bk, segmented):
                              qs=qs, scale=scale, left=left, right=right, n=n, bk=bk)  # fmt: skip
 
     def body(j, carry):
-        acc, m, l = carry
         _, v, s, ok = tile(j)
-        s = jnp.where(ok, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+        return softmax_step(carry, s, ok, v)
 
     lo, hi = _key_blocks(i, bq, bk, left, right, n)
-    init = (
-        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
-        jnp.full((bq,), NEG, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-    )
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
-    l_safe = jnp.where(l > 0, l, 1.0)  # padded query rows see no key
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l_safe)
+    carry = lax.fori_loop(lo, hi, body, softmax_start(bq, v_ref.shape[-1]))
+    softmax_write(carry, o_ref, lse_ref)  # padded query rows see no key: 0
 
 
 def _dkdv_kernel(*refs, scale, left, right, n, bq, segmented):
@@ -141,12 +131,8 @@ def _dkdv_kernel(*refs, scale, left, right, n, bq, segmented):
         s = plgpu.dot(q, k.T) * scale
         segs = None if ks is None else (qs_ref[pl.ds(start, bq)], ks)
         ok = _allowed(start, j * bk, s.shape, left, right, n, segs)
-        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-        dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
-        dp = plgpu.dot(do, v.T)
-        ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
-        dk = dk + plgpu.dot(ds.T, q)
-        return dk, dv
+        p, ds = score_grads(s, ok, lse, do, v, delta, scale, q.dtype)
+        return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
 
     lo, hi = _query_blocks(j, bq, bk, left, right, n)
     init = (
@@ -178,10 +164,7 @@ def _dq_kernel(*refs, scale, left, right, n, bk, segmented):
 
     def body(j, dq):
         k, v, s, ok = tile(j)
-        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-        dp = plgpu.dot(do, v.T)
-        ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
-        return dq + plgpu.dot(ds, k)
+        return dq + plgpu.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
 
     lo, hi = _key_blocks(i, bq, bk, left, right, n)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))

@@ -47,6 +47,10 @@ from flaxformer_lite.sparse.flash_gpu import (
     flash_forward,
     pad_heads,
     rows,
+    score_grads,
+    softmax_start,
+    softmax_step,
+    softmax_write,
     tile_width,
 )
 from flaxformer_lite.sparse.regroup import Part, pattern_parts
@@ -96,24 +100,11 @@ def _forward_kernel(*refs, scale, bk, segmented):
     )  # fmt: skip
 
     def body(t, carry):
-        acc, m, l = carry
         _, v, s, ok = tile(t)
-        s = jnp.where(ok, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+        return softmax_step(carry, s, ok, v)
 
-    init = (
-        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
-        jnp.full((bq,), NEG, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-    )
-    acc, m, l = lax.fori_loop(0, count_ref[i], body, init)
-    l_safe = jnp.where(l > 0, l, 1.0)  # a query with no allowed key (padding) gives 0
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l_safe)
+    carry = lax.fori_loop(0, count_ref[i], body, softmax_start(bq, v_ref.shape[-1]))
+    softmax_write(carry, o_ref, lse_ref)  # a query with no allowed key (padding) gives 0
 
 
 def _dkdv_kernel(*refs, scale, bq, segmented):
@@ -133,12 +124,8 @@ def _dkdv_kernel(*refs, scale, bq, segmented):
         s = plgpu.dot(q, k.T) * scale
         qs = None if ks is None else qs_ref[pl.ds(start, bq)]
         ok = _allowed(mask_ref, mids_ref[j, t], qs, ks)
-        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-        dv = dv + plgpu.dot(p.astype(do.dtype).T, do)
-        dp = plgpu.dot(do, v.T)
-        ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
-        dk = dk + plgpu.dot(ds.T, q)
-        return dk, dv
+        p, ds = score_grads(s, ok, lse, do, v, delta, scale, q.dtype)
+        return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
 
     init = (
         jnp.zeros((k_ref.shape[0], k_ref.shape[-1]), jnp.float32),
@@ -163,10 +150,7 @@ def _dq_kernel(*refs, scale, bk, segmented):
 
     def body(t, dq):
         k, v, s, ok = tile(t)
-        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-        dp = plgpu.dot(do, v.T)
-        ds = (p * (dp - delta[:, None]) * scale).astype(k.dtype)
-        return dq + plgpu.dot(ds, k)
+        return dq + plgpu.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
 
     dq = lax.fori_loop(0, count_ref[i], body, jnp.zeros((q.shape[0], q.shape[-1]), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)

@@ -20,6 +20,45 @@ Array = jax.Array
 NEG = -1e30  # a masked logit: finite, so a row whose first block is all masked stays finite
 
 
+# The online softmax and its gradients, one key tile at a time (float32 accumulators).
+
+
+def softmax_start(rows: int, width: int):
+    """(acc, running max, running sum) before the first key tile."""
+    return (
+        jnp.zeros((rows, width), jnp.float32),
+        jnp.full((rows,), NEG, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def softmax_step(carry, s, ok, v):
+    """The carry after a key tile's scores ``s`` (allowed where ``ok``) and values."""
+    acc, m, l = carry
+    s = jnp.where(ok, s, NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+
+def softmax_write(carry, o_ref, lse_ref) -> None:
+    """The output tile and its log-sum-exps; a query no key reached gives 0."""
+    acc, m, l = carry
+    l_safe = jnp.where(l > 0, l, 1.0)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l_safe)
+
+
+def score_grads(s, ok, lse, do, v, delta, scale, dtype):
+    """(probabilities, score gradients in ``dtype``) of a tile, given the whole
+    softmax's log-sum-exp and ``delta = rowsum(out * dout)``."""
+    p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
+    dp = plgpu.dot(do, v.T)
+    return p, (p * (dp - delta[:, None]) * scale).astype(dtype)
+
+
 def compiler_params(num_warps: int, num_stages: int, interpret: bool):
     """Triton's launch parameters (only on a GPU; the interpreter takes none)."""
     if interpret:
