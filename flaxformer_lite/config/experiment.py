@@ -205,22 +205,15 @@ class TrainConfig(Section):
     # cores busy, 1.06x (tiny) and 1.09x (base-like) faster steps than one chain in
     # benchmarks/results/train_step.md; on an accelerator leave it at 1.
     concurrent_splits: int = option(
-        1, "> 1: the batch as k independent chains of one program (uses CPU cores)",
-        rule=POSITIVE,
-    )  # fmt: skip
+        1, "> 1: the batch as k independent chains of one program (uses CPU cores)", rule=POSITIVE
+    )
     microbatches: int = option(
         1, "> 1: the batch as k micro-batches in sequence, gradients added (the same "
         "update with 1/k of the activation memory)", rule=POSITIVE,
     )  # fmt: skip
     log_every: int = option(50, "steps between logged measurements", rule=POSITIVE)
-    wandb_project: str = option(
-        "", "Weights & Biases project to log to, beside TensorBoard ('' = off; the wandb "
-        "extra; WANDB_MODE=offline works without a network)",
-    )  # fmt: skip
-    profile: str = option(
-        "", "START:STEPS: a profiler trace of STEPS steps from step START under "
-        "<workdir>/profile (TensorBoard's profile plugin, XProf, Perfetto); '' = none",
-    )  # fmt: skip
+    wandb_project: str = option("", "Weights & Biases project beside TensorBoard ('' = off)")
+    profile: str = option("", "START:STEPS: a trace of those steps in <workdir>/profile")
     log_examples: bool = option(
         False, "write each step's training example ids to examples.jsonl (audits the data "
         "order over resumes; ids of process 0's rows)",
