@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import numpy as np
 
-
 # The narrowest source width. Each width compiles its own search (~2.8 s for beam 4 on
 # 2 cores): the sentences of up to 8 pieces run at 16, half as many a batch, and a
 # test set compiles one search fewer. On the demo's test split: a fresh process's
