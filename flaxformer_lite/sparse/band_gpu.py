@@ -27,7 +27,6 @@ runs it for a two-sided ``local:window=w`` head group under ``attention_impl=cud
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +37,11 @@ from jax.experimental.pallas import triton as plgpu
 from flaxformer_lite.sparse.flash_gpu import (
     flash_backward,
     flash_forward,
-    pad_heads,
-    rows,
+    flash_inputs,
     score_grads,
     softmax_start,
     softmax_step,
     softmax_write,
-    tile_width,
 )
 
 Array = jax.Array
@@ -234,36 +231,14 @@ def band_attention(
     A head size that is not a power of two of at least 16 (Triton's tiles) is padded
     with zeros, which changes no score; the output drops the padding.
     """
-    b, n, h, d = query.shape
-    if key.shape[:3] != (b, n, h) or value.shape[:3] != (b, n, h):
-        raise ValueError(
-            f"band_attention is self-attention over one length: query {query.shape}, key "
-            f"{key.shape}, value {value.shape}; pass [b, n, h, d] arrays of one b, n, h"
-        )
     if left < 0 or right < 0:
         raise ValueError(f"band_attention: left={left}, right={right} must be >= 0")
-    for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if blk < 16 or blk & (blk - 1):
-            raise ValueError(f"band_attention: {name}={blk} must be a power of two >= 16")
-    if segments is not None and segments.shape != (b, n):
-        raise ValueError(f"band_attention: segments {segments.shape}, expected {(b, n)}")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    dv = value.shape[-1]
-    query, key, value = (
-        pad_heads(query, tile_width(d)),
-        pad_heads(key, tile_width(d)),
-        pad_heads(value, tile_width(dv)),
+    q, k, v, segs, scale, interpret, unpad = flash_inputs(
+        "band_attention", query, key, value, segments, block_q, block_k, scale, interpret
     )
-    block = max(block_q, block_k)
-    (q, m), (k, _), (v, _) = (rows(x, block) for x in (query, key, value))
-    segs = None
-    if segments is not None:
-        segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))
+    n = query.shape[1]
     left, right = min(left, n), min(right, n)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    out = _band(q, k, v, segs, left, right, scale, n, block_q, block_k, bool(interpret))
-    return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)
+    return unpad(_band(q, k, v, segs, left, right, scale, n, block_q, block_k, interpret))
 
 
 def band_of(pattern) -> tuple[int, int]:

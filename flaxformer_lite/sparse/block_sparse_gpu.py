@@ -32,7 +32,6 @@ blocked kernel.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +44,11 @@ from flaxformer_lite.sparse.flash_gpu import (
     NEG,
     flash_backward,
     flash_forward,
-    pad_heads,
-    rows,
+    flash_inputs,
     score_grads,
     softmax_start,
     softmax_step,
     softmax_write,
-    tile_width,
 )
 from flaxformer_lite.sparse.regroup import Part, pattern_parts
 from flaxformer_lite.sparse.tiles import TilePlan
@@ -296,38 +293,17 @@ def block_sparse_attention(
 
     A query that no key is allowed to (padding, or a pattern's empty row) gives 0.
     """
-    b, n, h, d = query.shape
-    if key.shape[:3] != (b, n, h) or value.shape[:3] != (b, n, h):
-        raise ValueError(
-            f"block_sparse_attention is self-attention over one length: query {query.shape}, "
-            f"key {key.shape}, value {value.shape}; pass [b, n, h, d] arrays of one b, n, h"
-        )
-    for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if blk < 16 or blk & (blk - 1):
-            raise ValueError(f"block_sparse_attention: {name}={blk} must be a power of two >= 16")
-    if segments is not None and segments.shape != (b, n):
-        raise ValueError(f"block_sparse_attention: segments {segments.shape}, expected {(b, n)}")
+    q, k, v, segs, scale, interpret, unpad = flash_inputs(
+        NAME, query, key, value, segments, block_q, block_k, scale, interpret
+    )
+    n = query.shape[1]
     if plan is None:
         parts = pattern_parts(pattern, n, block_q, block_k, regroup)
     elif (plan.n, plan.bq, plan.bk) != (n, block_q, block_k):
         raise ValueError(
-            f"block_sparse_attention: the plan is for n={plan.n}, tiles {plan.bq}x{plan.bk}; "
+            f"{NAME}: the plan is for n={plan.n}, tiles {plan.bq}x{plan.bk}; "
             f"the inputs have n={n}, tiles {block_q}x{block_k}"
         )
     else:
         parts = (Part(plan),)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    dv = value.shape[-1]
-    query, key, value = (
-        pad_heads(query, tile_width(d)),
-        pad_heads(key, tile_width(d)),
-        pad_heads(value, tile_width(dv)),
-    )
-    (q, m), (k, _), (v, _) = (rows(x, max(block_q, block_k)) for x in (query, key, value))
-    segs = None
-    if segments is not None:
-        segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    out = _attend(q, k, v, segs, parts, scale, bool(interpret))
-    return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)
+    return unpad(_attend(q, k, v, segs, parts, scale, interpret))

@@ -10,6 +10,8 @@ backward pass (:func:`flash_forward`, :func:`flash_backward`). The kernels thems
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -181,3 +183,40 @@ def tile_width(d: int) -> int:
 def pad_heads(x: Array, width: int) -> Array:
     d = x.shape[-1]
     return x if d == width else jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - d)))
+
+
+def flash_inputs(name, query, key, value, segments, block_q, block_k, scale, interpret):
+    """The checks and layout a flash kernel's public function shares: ``[b, n, h, d]``
+    inputs of one b, n, h, power-of-two tiles of at least 16, ``[b, n]`` segment ids.
+    Returns (q, k, v ``[b*h, m, d]`` padded to the tiles and heads, segment ids padded
+    to ``m`` or None, the logit scale, interpret, ``unpad``: the kernel's ``[b*h, m,
+    dv]`` output back to ``[b, n, h, dv]``); errors name ``name``."""
+    b, n, h, d = query.shape
+    if key.shape[:3] != (b, n, h) or value.shape[:3] != (b, n, h):
+        raise ValueError(
+            f"{name} is self-attention over one length: query {query.shape}, key "
+            f"{key.shape}, value {value.shape}; pass [b, n, h, d] arrays of one b, n, h"
+        )
+    for which, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk < 16 or blk & (blk - 1):
+            raise ValueError(f"{name}: {which}={blk} must be a power of two >= 16")
+    if segments is not None and segments.shape != (b, n):
+        raise ValueError(f"{name}: segments {segments.shape}, expected {(b, n)}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    dv = value.shape[-1]
+    padded = (
+        pad_heads(query, tile_width(d)),
+        pad_heads(key, tile_width(d)),
+        pad_heads(value, tile_width(dv)),
+    )
+    (q, m), (k, _), (v, _) = (rows(x, max(block_q, block_k)) for x in padded)
+    segs = None
+    if segments is not None:
+        segs = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, m - n)))
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+
+    def unpad(out):
+        return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)
+
+    return q, k, v, segs, scale, bool(interpret), unpad
