@@ -11,6 +11,7 @@ import pytest
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.band_gpu import _key_blocks, _query_blocks, band_attention, band_of
 from tests.fixtures import triton_lowering
+from tests.oracles import dense_with_mask, random_qkvw, relative_error
 
 
 def _mask(n, left, right, segments=None):
@@ -23,33 +24,14 @@ def _mask(n, left, right, segments=None):
     return mask
 
 
-def _dense(q, k, v, mask, xp):
-    """Masked dense attention in q's precision; a row with no allowed key gives 0."""
-    s = xp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    s = xp.where(mask, s, -1e30)
-    p = xp.where(mask, xp.exp(s - s.max(-1, keepdims=True)), 0.0)
-    p = p / xp.maximum(p.sum(-1, keepdims=True), 1e-300)
-    return xp.einsum("bhqk,bkhd->bqhd", p, v)
-
-
 def _reference(q, k, v, left, right, segments=None):
     """float64 dense attention with the band (and segments) as a mask."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    return _dense(q, k, v, _mask(q.shape[1], left, right, segments), np)
+    return dense_with_mask(q, k, v, _mask(q.shape[1], left, right, segments), np)
 
 
 def _grads(fn, q, k, v, w):
     return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
-
-
-def _rel(x, y):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return np.linalg.norm(x - y) / np.linalg.norm(y)
-
-
-def _case(dtype, b, n, h, d, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    return [jax.random.normal(x, (b, n, h, d), jnp.float32).astype(dtype) for x in keys]
 
 
 def _check(q, k, v, w, left, right, tol, segments=None, **blocks):
@@ -58,16 +40,16 @@ def _check(q, k, v, w, left, right, tol, segments=None, **blocks):
     (segment 0) must give exactly 0."""
     kw = dict(left=left, right=right, segments=segments, **blocks)
     got = band_attention(q, k, v, **kw)
-    assert _rel(got, _reference(q, k, v, left, right, segments)) < tol
+    assert relative_error(got, _reference(q, k, v, left, right, segments)) < tol
     if segments is not None:
         assert not np.any(np.asarray(got, np.float32)[np.asarray(segments) == 0])
     mask = _mask(q.shape[1], left, right, segments)
     mine = _grads(lambda *a: band_attention(*a, **kw), q, k, v, w)
     with jax.enable_x64(True):
         f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, w)]
-        want = _grads(lambda *a: _dense(*a, mask, jnp), *f64[:3], f64[3])
+        want = _grads(lambda *a: dense_with_mask(*a, mask, jnp), *f64[:3], f64[3])
     for g, r in zip(mine, want, strict=True):
-        assert _rel(g, r) < tol
+        assert relative_error(g, r) < tol
 
 
 # On CPU the kernel runs in float32 through the interpreter: the only differences from
@@ -78,14 +60,14 @@ def _check(q, k, v, w, left, right, tol, segments=None, **blocks):
 )
 def test_band_matches_float64_reference(left, right):
     # n = 100 is no multiple of the blocks (padded keys must stay masked); unequal blocks.
-    q, k, v, w = _case(jnp.float32, 2, 100, 2, 16)
+    q, k, v, w = random_qkvw(jnp.float32, 2, 100, 2, 16)
     _check(q, k, v, w, left, right, 1e-5, block_q=32, block_k=16)
 
 
 def test_packed_rows_and_padding():
     """Two examples per row, then padding (id 0), and a head size of 24 (padded to 32
     inside): no query sees another example or padding, and padding gives zeros."""
-    q, k, v, w = _case(jnp.float32, 2, 80, 2, 24, seed=2)
+    q, k, v, w = random_qkvw(jnp.float32, 2, 80, 2, 24, seed=2)
     seg = np.zeros((2, 80), np.int32)
     seg[0, :30], seg[0, 30:70] = 1, 2
     seg[1, :50], seg[1, 50:64] = 1, 2
@@ -94,11 +76,11 @@ def test_packed_rows_and_padding():
 
 def test_dense_and_causal_are_bands():
     """Full patterns as bands of width n, the values against float64."""
-    q, k, v, _ = _case(jnp.float32, 1, 48, 2, 16, seed=1)
+    q, k, v, _ = random_qkvw(jnp.float32, 1, 48, 2, 16, seed=1)
     for pattern in (P.Full(), P.Full().causal()):
         left, right = band_of(pattern)
         got = band_attention(q, k, v, left=left, right=right, block_q=16, block_k=16)
-        assert _rel(got, _reference(q, k, v, min(left, 48), min(right, 48))) < 1e-5
+        assert relative_error(got, _reference(q, k, v, min(left, 48), min(right, 48))) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -147,7 +129,7 @@ def test_bad_arguments_are_named():
     "left,right", [(256, 256), (256, 0), (1 << 30, 0)], ids=["two-sided", "causal window", "causal"]
 )
 def test_band_on_gpu_bfloat16(left, right):
-    q, k, v, w = _case(jnp.bfloat16, 2, 2048, 4, 64)
+    q, k, v, w = random_qkvw(jnp.bfloat16, 2, 2048, 4, 64)
     _check(q, k, v, w.astype(jnp.float32), left, right, 4 * 2.0**-8)
 
 
@@ -171,7 +153,7 @@ def test_kernels_lower_to_triton():
 @pytest.mark.gpu
 def test_band_on_gpu_packed_rows():
     """Segment ids on the GPU: three examples per row and padding, window 128."""
-    q, k, v, w = _case(jnp.bfloat16, 2, 1024, 4, 64, seed=3)
+    q, k, v, w = random_qkvw(jnp.bfloat16, 2, 1024, 4, 64, seed=3)
     seg = np.zeros((2, 1024), np.int32)
     seg[:, :300], seg[:, 300:700], seg[:, 700:1000] = 1, 2, 3
     _check(q, k, v, w.astype(jnp.float32), 128, 128, 4 * 2.0**-8, segments=jnp.asarray(seg))

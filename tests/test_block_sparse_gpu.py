@@ -18,6 +18,7 @@ from flaxformer_lite.sparse.regroup import pattern_parts
 from flaxformer_lite.sparse.spec import parse_spec, pattern_names
 from flaxformer_lite.sparse.tiles import tile_plan
 from tests.fixtures import triton_lowering
+from tests.oracles import dense_with_mask, random_qkvw, relative_error
 
 # One small instance of every registered name (block 8, so that n = 40-100 holds
 # several of each pattern's blocks), and the two ways of combining them.
@@ -45,7 +46,7 @@ def _pattern(name: str, causal: bool) -> P.Pattern:
     return p.causal() if causal else p
 
 
-def test_every_registered_pattern_has_a_case():
+def test_every_registered_pattern_has_arandom_qkvw():
     assert set(pattern_names()) - {"topk"} <= set(SPECS), "a new pattern needs a SPECS entry"
 
 
@@ -111,31 +112,12 @@ def test_plan_keeps_few_masks_and_few_tiles_at_length():
     assert plan.tiles <= tiles * 6 + 2 * tiles  # the band's 5-6, plus the global row/column
 
 
-def _dense(q, k, v, mask, xp):
-    """Masked dense attention in q's precision; a row with no allowed key gives 0."""
-    s = xp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    s = xp.where(mask, s, -1e30)
-    p = xp.where(mask, xp.exp(s - s.max(-1, keepdims=True)), 0.0)
-    p = p / xp.maximum(p.sum(-1, keepdims=True), 1e-300)
-    return xp.einsum("bhqk,bkhd->bqhd", p, v)
-
-
 def _mask(pattern, n, segments=None):
     mask = pattern.mask(n)[None, None]
     if segments is not None:
         seg = np.asarray(segments)
         mask = mask & ((seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0))[:, None]
     return mask
-
-
-def _rel(x, y):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return np.linalg.norm(x - y) / np.linalg.norm(y)
-
-
-def _case(dtype, b, n, h, d, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    return [jax.random.normal(x, (b, n, h, d), jnp.float32).astype(dtype) for x in keys]
 
 
 def _errors(pattern, q, k, v, w, segments=None, **kw):
@@ -147,14 +129,13 @@ def _errors(pattern, q, k, v, w, segments=None, **kw):
         return block_sparse_attention(*a, pattern, segments=segments, **kw)
 
     f64 = [np.asarray(x, np.float64) for x in (q, k, v)]
-    errors = [_rel(mine(q, k, v), _dense(*f64, mask, np))]
+    errors = [relative_error(mine(q, k, v), dense_with_mask(*f64, mask, np))]
     grads = jax.grad(lambda *a: jnp.sum(mine(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))
     with jax.enable_x64(True):
         wide = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, w)]
-        want = jax.grad(lambda *a: jnp.sum(_dense(*a, mask, jnp) * wide[3]), argnums=(0, 1, 2))(
-            *wide[:3]
-        )
-    errors += [_rel(g, r) for g, r in zip(grads(q, k, v), want, strict=True)]
+        reference = lambda *a: jnp.sum(dense_with_mask(*a, mask, jnp) * wide[3])  # noqa: E731
+        want = jax.grad(reference, argnums=(0, 1, 2))(*wide[:3])
+    errors += [relative_error(g, r) for g, r in zip(grads(q, k, v), want, strict=True)]
     if segments is not None:  # padding queries give exactly 0
         out = np.asarray(mine(q, k, v), np.float32)
         assert not np.any(out[np.asarray(segments) == 0])
@@ -173,7 +154,7 @@ TOL = 1e-5
 )
 def test_kernel_matches_float64(name, causal):
     # n = 50 is no multiple of the tiles (padded keys must stay masked); unequal tiles.
-    q, k, v, w = _case(jnp.float32, 1, 50, 2, 16)
+    q, k, v, w = random_qkvw(jnp.float32, 1, 50, 2, 16)
     # regroup=True: the strided pattern as two parts (window, stride regrouped)
     errors = _errors(_pattern(name, causal), q, k, v, w, block_q=16, block_k=32, regroup=True)
     assert max(errors) < TOL, errors
@@ -183,7 +164,7 @@ def test_kernel_matches_float64(name, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["both ways", "causal"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_kernel_matches_float64_every_pattern(name, causal):
-    q, k, v, w = _case(jnp.float32, 2, 72, 2, 16, seed=1)
+    q, k, v, w = random_qkvw(jnp.float32, 2, 72, 2, 16, seed=1)
     for bq, bk, regroup in ((16, 16, False), (32, 16, False), (16, 16, True)):
         errors = _errors(
             _pattern(name, causal), q, k, v, w, block_q=bq, block_k=bk, regroup=regroup
@@ -194,7 +175,7 @@ def test_kernel_matches_float64_every_pattern(name, causal):
 def test_packed_rows_and_padding():
     """Two examples per row, then padding (id 0), a causal Longformer, head size 24
     (padded to 32 inside): no query sees another example or padding."""
-    q, k, v, w = _case(jnp.float32, 2, 48, 2, 24, seed=2)
+    q, k, v, w = random_qkvw(jnp.float32, 2, 48, 2, 24, seed=2)
     seg = np.zeros((2, 48), np.int32)
     seg[0, :20], seg[0, 20:40] = 1, 2
     seg[1, :30], seg[1, 30:44] = 1, 2
@@ -208,7 +189,7 @@ def test_packed_rows_and_padding():
 def test_packed_rows_regrouped():
     """Segment ids follow the positions into the regrouped order: the Sparse
     Transformer's strided pattern (two parts) on packed rows with padding."""
-    q, k, v, w = _case(jnp.float32, 1, 64, 2, 16, seed=5)
+    q, k, v, w = random_qkvw(jnp.float32, 1, 64, 2, 16, seed=5)
     seg = np.zeros((1, 64), np.int32)
     seg[0, :25], seg[0, 25:60] = 1, 2
     errors = _errors(
@@ -222,16 +203,16 @@ def test_a_dropped_tile_is_caught():
     """The checks above have teeth: the kernel run on a plan with one listed tile
     removed from one query tile's list is far from the reference."""
     pattern = _pattern("bigbird", False)
-    q, k, v, _ = _case(jnp.float32, 1, 48, 1, 16, seed=4)
+    q, k, v, _ = random_qkvw(jnp.float32, 1, 48, 1, 16, seed=4)
     plan = tile_plan(pattern, 48, 16, 16)
     count = plan.kv_count.copy()
     count[1] -= 1  # query tile 1 loses its last key tile
     broken = dataclasses.replace(plan, kv_count=count)
-    ref = _dense(*(np.asarray(x, np.float64) for x in (q, k, v)), _mask(pattern, 48), np)
+    ref = dense_with_mask(*(np.asarray(x, np.float64) for x in (q, k, v)), _mask(pattern, 48), np)
     good = block_sparse_attention(q, k, v, pattern, block_q=16, block_k=16)
     bad = block_sparse_attention(q, k, v, pattern, block_q=16, block_k=16, plan=broken)
-    assert _rel(good, ref) < TOL
-    assert _rel(bad, ref) > 100 * TOL
+    assert relative_error(good, ref) < TOL
+    assert relative_error(bad, ref) > 100 * TOL
 
 
 def test_bad_arguments_are_named():
@@ -281,14 +262,14 @@ def test_kernels_lower_to_triton():
     ids=["bigbird", "strided causal", "longformer", "fixed causal", "dilated"],
 )
 def test_kernel_on_gpu_bfloat16(pattern):
-    q, k, v, w = _case(jnp.bfloat16, 2, 2048, 4, 64)
+    q, k, v, w = random_qkvw(jnp.bfloat16, 2, 2048, 4, 64)
     errors = _errors(pattern, q, k, v, w.astype(jnp.float32))
     assert max(errors) < 4 * 2.0**-8, errors
 
 
 @pytest.mark.gpu
 def test_kernel_on_gpu_packed_rows():
-    q, k, v, w = _case(jnp.bfloat16, 2, 1024, 4, 64, seed=3)
+    q, k, v, w = random_qkvw(jnp.bfloat16, 2, 1024, 4, 64, seed=3)
     seg = np.zeros((2, 1024), np.int32)
     seg[:, :300], seg[:, 300:700], seg[:, 700:1000] = 1, 2, 3
     errors = _errors(P.bigbird(64, 3, 1, 2).causal(), q, k, v, w.astype(jnp.float32),
