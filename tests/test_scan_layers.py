@@ -100,6 +100,15 @@ def test_checkpoints_restore_across_layouts(tmp_path):
         best, step = checkpoints.restore_params(folder, target_params, kind="best")
         assert step == 3
         assert jax.tree.structure(best) == jax.tree.structure(states[target].params)
+        best = best if target == "plain" else switched(best)[0]
+        for a, b in zip(jax.tree.leaves(best), jax.tree.leaves(trained.params), strict=True):
+            np.testing.assert_array_equal(a, b)  # arrays read, not the target's placeholders
+        # A key the checkpoint lacks, in either layout: an error, not a placeholder.
+        foreign = {**target_params, "extra": jax.ShapeDtypeStruct((3,), jnp.float32)}
+        with pytest.raises(
+            checkpoints.CheckpointError, match="parameters of another model: .* is missing"
+        ):
+            checkpoints.restore_params(folder, foreign, kind="best")
 
 
 def test_a_scanned_model_decodes_as_the_unrolled_one():

@@ -298,17 +298,30 @@ def _either_layout(read, target, key: str) -> dict:
     ``read`` of the target in the other layer layout (``model.scan_layers``: stacked,
     or one per layer), its ``key`` entry turned back into the target's layout."""
     try:
-        return dict(read(target))
+        return _whole(read(target), key)
     except Exception:
         other, has_layers = layer_layout.switched(target)
         if not has_layers:
             raise
         try:
-            restored = dict(read(_abstract(other)))
+            restored = _whole(read(_abstract(other)), key)
         except Exception:
-            return dict(read(target))  # raises the first error, which names the checkpoint
+            return _whole(read(target), key)  # raises the first error, naming the checkpoint
         restored[key] = layer_layout.switched(restored[key])[0]
         return restored
+
+
+def _whole(restored, key: str) -> dict:
+    """``restored`` as a dict, if it holds every array asked for. A partial restore
+    hands back the target's own ShapeDtypeStruct where the checkpoint lacks a key (a
+    model of the other layer layout, another architecture): that is no checkpoint."""
+    restored = dict(restored)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(restored[key])[0]:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise CheckpointError(
+                f"parameters of another model: {jax.tree_util.keystr(path)} is missing"
+            )
+    return restored
 
 
 def check_shapes(tree: Any, target: Any, what: str) -> None:
