@@ -32,6 +32,7 @@ from flaxformer_lite.config.experiment import DecodeConfig
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.inference import batching, decoding
+from flaxformer_lite.inference.ahead import Ahead, Call
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
@@ -242,27 +243,34 @@ class Translator:
                 )
         encoded = self._encode([sentences[i] for i in todo], report)
         c = self.config
+        batches, calls = [], []
         for idx, rows, longest in batching.batches(
             encoded, c.max_len, d.batch_tokens, self.batch_size
         ):
             limit = batching.output_limit(longest, d, c.max_len, max_length)
             size = batching.output_limit(rows.shape[1], d, c.max_len, max_length)
             lengths = [len(encoded[i]) - 1 for i in idx]
-            ids = self._decode_rows(rows, lengths, limit, size, d, given_limit=bool(max_length))
-            for r, tokens in zip(idx, decoding.strip(ids, self.config.eos_id), strict=False):
-                results[todo[r]] = self.tokenizer.decode(tokens)
+            batches.append(idx)
+            calls.append(self._search(rows, lengths, limit, size, d, bool(max_length)))
+        # The searches of the wider batches compile while the narrow ones run.
+        with Ahead(calls) as ahead:
+            for idx, call in zip(batches, calls, strict=True):
+                ids = ahead.run(call)
+                ids = ids[0][:, 0] if isinstance(ids, tuple) else ids  # beams: the best
+                for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
+                    results[todo[r]] = self.tokenizer.decode(tokens)
         return results
 
-    def _decode_rows(
+    def _search(
         self, rows: np.ndarray, lengths: list[int], limit: int, widest: int, d,
         given_limit: bool = False,
-    ) -> np.ndarray:  # fmt: skip
-        """The best output ids of a batch of source ``rows`` (``lengths``: source pieces
-        of the real rows, EOS excluded) under the decode settings ``d``: at most
-        ``limit`` tokens, a traced value. The search compiles for the bucket of
-        ``widest``, the limit of the widest batch of this source width, so that every
-        batch of a width shares one compiled search
-        (:func:`~flaxformer_lite.inference.decoding.bucket`)."""
+    ) -> Call:  # fmt: skip
+        """The search of a batch of source ``rows`` (``lengths``: source pieces of the
+        real rows, EOS excluded) under the decode settings ``d``: at most ``limit``
+        tokens, a traced value. It compiles for the bucket of ``widest``, the limit of
+        the widest batch of this source width, so that every batch of a width shares
+        one compiled search (:func:`~flaxformer_lite.inference.decoding.bucket`).
+        Greedy gives ``[b, t]`` ids, beam search (ids ``[b, k, t]``, scores)."""
         c = self.config
         real = np.arange(len(rows)) < len(lengths)  # the others pad the batch
         n = np.asarray(lengths + [0] * (len(rows) - len(lengths)))
@@ -272,8 +280,8 @@ class Translator:
         if d.beam_size == 1 and plain:  # each row its own limit: batch-mates change nothing
             own = np.full(len(n), limit) if given_limit else np.minimum(n + 1 + d.max_extra, limit)
             own = jnp.asarray(np.where(real, own, 0), jnp.int32)
-            return decoding.sample(
-                self.model, self.params, jnp.asarray(rows), max_length=size,
+            return Call(
+                decoding.sample, self.model, self.params, jnp.asarray(rows), max_length=size,
                 eos_id=c.eos_id, bos_id=c.bos_id, limit=own,
             )  # fmt: skip
         bounds = {}
@@ -284,12 +292,12 @@ class Translator:
         # Every row gets a maximum, so that padding rows (0: only EOS) end at once.
         most = np.ceil(d.max_length_ratio * n) + 5 if d.max_length_ratio else np.full(len(n), limit)
         bounds["max_lengths"] = jnp.asarray(np.where(real, most, 0), jnp.int32)
-        ids, _ = decoding.beam_search(
-            self.model, self.params, jnp.asarray(rows), beam_size=d.beam_size,
-            alpha=float(d.alpha), max_length=size, eos_id=c.eos_id, bos_id=c.bos_id,
-            no_repeat_ngram=d.no_repeat_ngram, limit=traced, stop=d.beam_stop, **bounds,
+        return Call(
+            decoding.beam_search, self.model, self.params, jnp.asarray(rows),
+            beam_size=d.beam_size, alpha=float(d.alpha), max_length=size, eos_id=c.eos_id,
+            bos_id=c.bos_id, no_repeat_ngram=d.no_repeat_ngram, limit=traced,
+            stop=d.beam_stop, **bounds,
         )  # fmt: skip
-        return ids[:, 0]
 
     # Generating (decoder-only LM) ------------------------------------------------------------
     def generate(

@@ -1,0 +1,57 @@
+"""Compiling a translation's searches ahead, in a background thread (inference/ahead.py)."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.inference.ahead import Ahead, Call
+
+
+class _Spy:
+    """A jitted function that records which thread lowered it, for what shapes."""
+
+    def __init__(self, fn):
+        self.fn, self.lowered = fn, []
+
+    def lower(self, x, **kw):
+        self.lowered.append((threading.current_thread().name, x.shape))
+        return self.fn.lower(x, **kw)
+
+    def __call__(self, x, **kw):
+        return self.fn(x, **kw)
+
+
+def test_each_program_compiles_once_ahead_in_order_and_the_calls_reuse_it():
+    @jax.jit
+    def f(x, limit):
+        return jnp.cumsum(x) * limit
+
+    spy = _Spy(f)
+    xs = [jnp.arange(n, dtype=jnp.float32) for n in (16, 16, 32, 16, 8)]
+    calls = [Call(spy, x, limit=jnp.int32(i)) for i, x in enumerate(xs)]
+    with Ahead(calls) as ahead:
+        outs = [ahead.run(c) for c in calls]
+    assert [shape for _, shape in spy.lowered] == [(16,), (32,), (8,)]  # order of first use
+    assert all(name.startswith("compile-ahead") for name, _ in spy.lowered)
+    assert f._cache_size() == 3  # the calls found the programs compiled ahead
+    for i, (x, out) in enumerate(zip(xs, outs, strict=True)):
+        np.testing.assert_array_equal(out, np.cumsum(np.asarray(x)) * i)
+
+
+def test_a_compile_error_is_raised_where_the_call_runs():
+    @jax.jit
+    def bad(x):
+        return x @ x  # (2, 3) @ (2, 3): no such product
+
+    call = Call(bad, jnp.ones((2, 3)))
+    with Ahead([call]) as ahead, pytest.raises(TypeError, match="dot_general"):
+        ahead.run(call)
+
+
+def test_a_plain_function_runs_without_compiling():
+    call = Call(lambda x: x + 1, 1)
+    with Ahead([call]) as ahead:
+        assert ahead.run(call) == 2
