@@ -477,6 +477,35 @@ def test_padding_rows_of_a_batch_end_at_once(model_params):
     assert int(beams[1, 0, 0]) == 1 and not np.any(beams[1, 0, 1:])
 
 
+def test_a_short_first_cache_changes_no_output(model_params):
+    """A search that starts with a short cache and grows it for the rows that outlast
+    it (in parts of the shrunk size, one after the other, the last part overlapping
+    the one before: 10 rows in parts of 3) gives the ids of the search with the whole
+    cache from the start, and its scores to float32 round-off."""
+    model, params = model_params
+    rng = np.random.default_rng(1)
+    src = rng.integers(3, CFG.vocab_size, size=(10, 6)).astype(np.int32)
+    src[:, -1] = 1
+    kw = dict(max_length=16, eos_id=1, bos_id=2)
+    bound = np.array([3, 14, 5, 14, 3, 14, 9, 14, 14, 4], np.int32)
+    whole = decoding.sample(model, params, src, limit=bound, shrink=0, **kw)
+    assert (np.asarray(whole)[:, 2:] != 0).any(axis=1).all()  # every row outlasts 2
+    for shrink, first in ((0, 4), (4, 2)):
+        grown = decoding.sample(
+            model, params, src, limit=bound, shrink=shrink, first_length=first, **kw
+        )
+        np.testing.assert_array_equal(grown, whole)
+    beam = dict(beam_size=3, alpha=0.6, stop="current", max_lengths=bound, **kw)
+    least = jnp.asarray(bound - 1)  # each row's beams run to its bound
+    ids, scores = decoding.beam_search(model, params, src, min_lengths=least, shrink=0, **beam)
+    for shrink, first in ((4, 2),):
+        grown_ids, grown_scores = decoding.beam_search(
+            model, params, src, min_lengths=least, shrink=shrink, first_length=first, **beam
+        )
+        np.testing.assert_array_equal(grown_ids, ids)
+        np.testing.assert_allclose(grown_scores, scores, rtol=1e-5)
+
+
 def test_a_shrunk_batch_decodes_its_rows_as_the_whole_batch_and_alone(model_params):
     """Once few rows of a batch still search, they step on alone (their state and
     cache rows gathered): the same ids as the whole batch stepping (shrink=0), and as

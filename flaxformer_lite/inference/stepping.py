@@ -211,21 +211,50 @@ def stage_sizes(batch: int, shrink: int) -> tuple[int, ...]:
     return (batch, math.ceil(batch / shrink))
 
 
+def grown(cache, length: int):
+    """``cache`` with its self-attention keys and values ``[n, h, t, d]`` padded with
+    empty positions to ``length``: position i is written at step i and read only
+    from then on, so the padding changes nothing but the room."""
+
+    def pad(path, x):
+        if _name(path) in ("cached_key", "cached_value") and x.shape[2] < length:
+            return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+        return x
+
+    return jax.tree_util.tree_map_with_path(pad, cache)
+
+
 def run_shrinking(
-    step: Callable, i: Array, rows: dict, cache, stop_at: Array, sizes: tuple[int, ...], k: int
-) -> tuple[Array, dict]:
+    step: Callable,
+    i: Array,
+    rows: dict,
+    cache,
+    stop_at: Array,
+    sizes: tuple[int, ...],
+    k: int,
+    grow: tuple[int, int] | None = None,
+) -> dict:
     """Steps ``rows`` (a dict of ``[b, ...]`` arrays, each row's search state, with
     an ``active`` flag) until no row is active or step ``stop_at``: ``step(i, rows,
-    cache) -> (rows, cache)`` must leave an inactive row as it is. While more rows
-    than the next of ``sizes`` are active, the whole batch steps; then the active
-    rows (and the k cache rows of each) are gathered into a batch of that size, and
-    so on. Returns the step count reached and the rows, in their order."""
+    cache) -> (rows, cache)`` must leave an inactive row as it is. Returns the rows,
+    in their order.
+
+    Two stages. The whole batch steps while more rows than ``sizes[1]`` are active
+    and, with ``grow`` = (the given cache's length, the length the search needs),
+    until the short cache is full: a short cache is cheaper to reorder and to attend
+    over at every step. Then the active rows (and the k cache rows of each, padded
+    to the length needed) step on in batches of ``sizes[1]`` rows, one after the
+    other: usually one batch of the few rows left; several where many rows were
+    still active when the short cache filled. A row's result does not depend on
+    which rows share its batch, so the stages change no output."""
     size, *rest = sizes
+    short = grow is not None and grow[0] < grow[1]
+    end = jnp.minimum(stop_at, grow[0]) if short else stop_at
 
     def cond(c):
         i, rows, _ = c
         active = jnp.sum(rows["active"])
-        go = (i < stop_at) & (active > 0)
+        go = (i < end) & (active > 0)
         return go & (active > rest[0]) if rest else go
 
     def body(c):
@@ -234,13 +263,27 @@ def run_shrinking(
         return i + 1, rows, cache
 
     i, rows, cache = lax.while_loop(cond, body, (i, rows, cache))
-    if not rest:
-        return i, rows
+    if not rest and not short:
+        return rows
+    part_size = rest[0] if rest else size
     # The active rows first (a stable sort keeps their order), then done rows to fill.
-    keep = jnp.argsort(~rows["active"], stable=True)[: rest[0]]
-    part = jax.tree.map(lambda x: x[keep], rows)
-    cache_rows = (keep[:, None] * k + jnp.arange(k)).reshape(-1)
-    i, part = run_shrinking(
-        step, i, part, take_cache_rows(cache, cache_rows), stop_at, tuple(rest), k
-    )
-    return i, jax.tree.map(lambda full, p: full.at[keep].set(p), rows, part)
+    order = jnp.argsort(~rows["active"], stable=True)
+    parts = (jnp.sum(rows["active"]) + part_size - 1) // part_size
+
+    def one_part(p, rows):
+        # The last part may overlap the one before (the slice stays inside the
+        # batch): its rows from there are done, and stay as they are.
+        keep = lax.dynamic_slice_in_dim(order, p * part_size, part_size)
+        part = jax.tree.map(lambda x: x[keep], rows)
+        cache_rows = (keep[:, None] * k + jnp.arange(k)).reshape(-1)
+        part_cache = take_cache_rows(cache, cache_rows)
+        part_cache = grown(part_cache, grow[1]) if short else part_cache
+
+        def part_cond(c):
+            i, part, _ = c
+            return (i < stop_at) & jnp.any(part["active"])
+
+        _, part, _ = lax.while_loop(part_cond, body, (i, part, part_cache))
+        return jax.tree.map(lambda full, x: full.at[keep].set(x), rows, part)
+
+    return lax.fori_loop(0, parts, one_part, rows)

@@ -275,6 +275,10 @@ class Translator:
         real = np.arange(len(rows)) < len(lengths)  # the others pad the batch
         n = np.asarray(lengths + [0] * (len(rows) - len(lengths)))
         size = decoding.bucket(max(limit, widest), c.max_len)
+        # Most beam outputs are about as long as their source: the search starts with
+        # a cache of the source width + 16 positions, and grows it for the rows that
+        # outlast it (the same outputs; see decoding.first_cache_length).
+        first = decoding.bucket(rows.shape[1] + 16, size)
         traced = jnp.asarray(limit, jnp.int32)
         plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
         if d.beam_size == 1 and plain:  # each row its own limit: batch-mates change nothing
@@ -296,7 +300,7 @@ class Translator:
             decoding.beam_search, self.model, self.params, jnp.asarray(rows),
             beam_size=d.beam_size, alpha=float(d.alpha), max_length=size, eos_id=c.eos_id,
             bos_id=c.bos_id, no_repeat_ngram=d.no_repeat_ngram, limit=traced,
-            stop=d.beam_stop, **bounds,
+            stop=d.beam_stop, first_length=first, **bounds,
         )  # fmt: skip
 
     # Generating (decoder-only LM) ------------------------------------------------------------
