@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from flaxformer_lite import LanguageModel, ModelConfig, Transformer
-from flaxformer_lite.inference import decoding
+from flaxformer_lite.inference import constraints, decoding
 from flaxformer_lite.inference.evaluation import corpus_scores
 from flaxformer_lite.model.partitioning import unbox
 from tests.fixtures import OPTIMIZED
@@ -168,7 +168,9 @@ def test_repeated_ngram_mask_matches_brute_force(n):
     rng = np.random.default_rng(n)
     seqs = rng.integers(3, 7, (5, 3, 12))  # 4 symbols: repeats are common
     for length in range(13):
-        mask = np.asarray(decoding.repeated_ngram_mask(jnp.asarray(seqs), jnp.int32(length), n, 9))
+        mask = np.asarray(
+            constraints.repeated_ngram_mask(jnp.asarray(seqs), jnp.int32(length), n, 9)
+        )
         for row in np.ndindex(5, 3):
             prefix = seqs[row][:length].tolist()
             seen = set(_ngrams(prefix, n))
@@ -308,9 +310,9 @@ def test_sampling_seeds_and_zero_temperature(model_params):
 
 def test_filter_logits_top_k_and_top_p():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    k2 = decoding.filter_logits(logits, top_k=2)
+    k2 = constraints.filter_logits(logits, top_k=2)
     assert (np.asarray(k2[0, 2:]) < -1e8).all() and np.isfinite(np.asarray(k2[0, :2])).all()
-    p = decoding.filter_logits(logits, top_p=0.75)  # 0.5 + 0.3 reach 0.75
+    p = constraints.filter_logits(logits, top_p=0.75)  # 0.5 + 0.3 reach 0.75
     assert (np.asarray(p[0, :2]) > -1e8).all() and (np.asarray(p[0, 2:]) < -1e8).all()
 
 

@@ -22,7 +22,9 @@ cache, and the search scores the mean of the members' next-token
 probabilities, log(1/n sum_m p_m), in place of one model's log-probabilities.
 
 The stepper, the cache handling, the ensemble mean and the shrinking loop that the
-searches share are in :mod:`~flaxformer_lite.inference.stepping`.
+searches share are in :mod:`~flaxformer_lite.inference.stepping`; the rules besides
+the model (top-k/top-p, repeated n-grams, length bounds) in
+:mod:`~flaxformer_lite.inference.constraints`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from flaxformer_lite.config.experiment import BEAM_STOPS
+from flaxformer_lite.inference.constraints import NEG_INF, constrain, filter_logits
 from flaxformer_lite.inference.stepping import (
     Stepper,
     block_top_k,
+    first_cache_length,
     repeat_rows,
     run_shrinking,
     score_dtype,
@@ -46,7 +50,6 @@ from flaxformer_lite.inference.stepping import (
 )
 from flaxformer_lite.model.transformer import Transformer
 
-NEG_INF = -1.0e9
 # Arguments every jitted search takes as compile-time constants.
 _STATIC = ("model", "max_length", "eos_id", "bos_id")
 # A search goes on with its unfinished rows alone once they are 1/SHRINK of the batch.
@@ -62,26 +65,6 @@ def bucket(limit: int, cap: int) -> int:
 
 
 # Greedy and sampling -----------------------------------------------------------------
-
-
-def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
-    """Keep the ``top_k`` largest logits and/or the smallest set with probability >= top_p."""
-    if top_k > 0:
-        kth = lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, NEG_INF, logits)
-    if top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        drop_sorted = before >= top_p
-        drop = (
-            jnp.zeros_like(drop_sorted)
-            .at[jnp.arange(logits.shape[0])[:, None], order]
-            .set(drop_sorted)
-        )
-        logits = jnp.where(drop, NEG_INF, logits)
-    return logits
 
 
 @functools.partial(
@@ -123,7 +106,7 @@ def sample(
     1/shrink of the batch (:func:`~flaxformer_lite.inference.stepping.run_shrinking`;
     0 = never). Sampling never shrinks: its draws are made over the whole batch.
     ``first_length``: greedy decoding steps with a cache of this many positions
-    first (:func:`first_cache_length`)."""
+    first (:func:`~flaxformer_lite.inference.stepping.first_cache_length`)."""
     stepper = Stepper(model, params, inputs)
     b = next((x.shape[0] for x in (inputs, prefix) if x is not None), batch_size)
     greedy = temperature == 0.0
@@ -167,19 +150,6 @@ def sample(
     return rows["out"]
 
 
-def first_cache_length(model: nn.Module, max_length: int, first_length: int) -> int:
-    """The cache length a search starts with: ``first_length`` where it is shorter
-    than ``max_length`` (the search then goes on with a cache of ``max_length``,
-    :func:`~flaxformer_lite.inference.stepping.run_shrinking`), else ``max_length``.
-    Every step reorders (beam search) and attends over the whole cache: on the demo's
-    test split, batches of up to 16 source pieces decoded 1.48x faster (beam 4) and
-    1.25x (greedy) with 32 positions than with 80. Sparse self-attention keeps the
-    cache it has: its ring buffers and random blocks are laid out for one length."""
-    if 0 < first_length < max_length and not model.config.sparse_attention:
-        return first_length
-    return max_length
-
-
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def greedy_uncached(
     model: nn.Module, params, inputs: Array, *, max_length: int, eos_id: int, bos_id: int
@@ -212,28 +182,6 @@ def greedy_uncached(
 def length_penalty(length: Array, alpha: float) -> Array:
     """((5 + length) / 6) ** alpha (Wu et al. 2016; the paper uses alpha = 0.6)."""
     return ((5.0 + length) / 6.0) ** alpha
-
-
-def repeated_ngram_mask(seqs: Array, length: Array, n: int, vocab_size: int) -> Array:
-    """``[..., vocab]`` True where appending the token to ``seqs[..., :length]`` would
-    repeat an ``n``-gram already in it (fairseq's ``--no-repeat-ngram-size``)."""
-    *lead, t = seqs.shape
-    flat = seqs.reshape(-1, t)
-    windows = t - n + 1
-    if windows <= 0:
-        return jnp.zeros((*lead, vocab_size), bool)
-    # The n-1 tokens before the next one, and every earlier n-gram's first n-1 tokens.
-    prefix = [
-        lax.dynamic_index_in_dim(flat, jnp.maximum(length - n + 1 + m, 0), 1, False)
-        for m in range(n - 1)
-    ]
-    match = jnp.arange(windows)[None, :] <= length - n  # n-grams that lie in the prefix
-    for m in range(n - 1):
-        match &= flat[:, m : m + windows] == prefix[m][:, None]
-    follower = flat[:, n - 1 : n - 1 + windows]
-    rows = jnp.arange(flat.shape[0])[:, None]
-    banned = jnp.zeros((flat.shape[0], vocab_size), bool).at[rows, follower].max(match)
-    return banned.reshape(*lead, vocab_size)
 
 
 @functools.partial(
@@ -283,13 +231,15 @@ def beam_search(
     hypotheses take live ones. ``shrink``: the search goes on with the undecided rows
     alone once they are 1/shrink of the batch (0 = never; the results are the same).
     ``first_length``: the search steps with a cache of this many positions first
-    (:func:`first_cache_length`; the results are the same).
+    (:func:`~flaxformer_lite.inference.stepping.first_cache_length`; the same results).
     """
     if stop not in BEAM_STOPS:
         raise ValueError(f"stop={stop!r}; choose one of {', '.join(BEAM_STOPS)}")
     b, k, v = inputs.shape[0], beam_size, model.config.vocab_size
     stepper = Stepper(model, params, inputs, repeat=k)
-    first = first_cache_length(model, max_length, first_length)
+    sizes = stage_sizes(b, shrink)
+    # A batch too small to shrink keeps one cache length: one loop to compile.
+    first = first_cache_length(model, max_length, first_length * (len(sizes) > 1))
     cache = stepper.init_cache(b * k, first)
     wide = score_dtype(model)
     stop_at = max_length if limit is None else jnp.minimum(limit, max_length)
@@ -318,7 +268,7 @@ def beam_search(
         last = jnp.where(i == 0, bos_id, previous)
         logits, cache = stepper(cache, last.reshape(n * k, 1), repeat_rows(r["inputs"], k))
         logp = jax.nn.log_softmax(logits).reshape(n, k, v)
-        logp = _constrain(
+        logp = constrain(
             logp, r["live_seqs"], i, eos_id, no_repeat_ngram, r["min_lengths"], r["max_lengths"]
         )
         new, origin = _advance(r, logp, i, eos_id, alpha)
@@ -333,7 +283,6 @@ def beam_search(
         undecided = _undecided(stop, i + 1, r["live_logp"], r["fin_scores"], alpha, r["max_lp"])
         return r | {"active": act & undecided}, cache
 
-    sizes = stage_sizes(b, shrink)
     rows = run_shrinking(step, jnp.int32(0), rows, cache, stop_at, sizes, k, (first, max_length))
     return _best(rows, k, alpha)
 
@@ -409,25 +358,6 @@ def _undecided(stop: str, i, live_logp, fin_scores, alpha: float, max_lp) -> Arr
         return fin_scores[:, 0] < live_logp[:, 0] / max_lp
     reach = length_penalty((i + 1).astype(max_lp.dtype), alpha)
     return alive & (fin_scores[:, -1] < live_logp[:, 0] / reach)
-
-
-def _constrain(logp, seqs, i, eos_id, no_repeat_ngram, min_lengths, max_lengths):
-    """``logp [b, k, v]`` of step ``i`` under the search's rules: no repeated n-gram,
-    no EOS before a row's minimum length, only EOS at its maximum."""
-    v = logp.shape[-1]
-    eos_logp = logp[..., eos_id : eos_id + 1]  # before any ban
-    if no_repeat_ngram > 0:
-        banned = repeated_ngram_mask(seqs, i, no_repeat_ngram, v)
-        logp = jnp.where(banned, NEG_INF, logp)
-    if min_lengths is not None:
-        too_short = (i < min_lengths)[:, None]
-        logp = logp.at[..., eos_id].set(jnp.where(too_short, NEG_INF, logp[..., eos_id]))
-    if max_lengths is not None:
-        at_limit = (i >= max_lengths)[:, None, None]
-        only_eos = jnp.arange(v) == eos_id
-        # A forced EOS costs what the model gives it, even where an n-gram ban hit it.
-        logp = jnp.where(at_limit, jnp.where(only_eos, eos_logp, NEG_INF), logp)
-    return logp
 
 
 def strip(ids, eos_id: int) -> list[list[int]]:

@@ -276,9 +276,12 @@ class Translator:
         n = np.asarray(lengths + [0] * (len(rows) - len(lengths)))
         size = decoding.bucket(max(limit, widest), c.max_len)
         # Most beam outputs are about as long as their source: the search starts with
-        # a cache of the source width + 16 positions, and grows it for the rows that
-        # outlast it (the same outputs; see decoding.first_cache_length).
-        first = decoding.bucket(rows.shape[1] + 16, size)
+        # a cache of the source width, and grows it for the rows that outlast it (the
+        # same outputs; see stepping.first_cache_length). The exact rule keeps rows
+        # stepping longer: 16 positions more (on the demo's split, 19.6 s against
+        # 22.5 s; the other rules ran 11% faster without them).
+        extra = 16 if d.beam_stop == "exact" else 0
+        first = decoding.bucket(rows.shape[1] + extra, size)
         traced = jnp.asarray(limit, jnp.int32)
         plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
         if d.beam_size == 1 and plain:  # each row its own limit: batch-mates change nothing
