@@ -252,8 +252,7 @@ class Translator:
             lengths = [len(encoded[i]) - 1 for i in idx]
             batches.append(idx)
             calls.append(self._search(rows, lengths, limit, size, d, bool(max_length)))
-        # The searches of the wider batches compile while the narrow ones run.
-        with Ahead(calls) as ahead:
+        with Ahead(calls) as ahead:  # the wider batches' searches compile meanwhile
             for idx, call in zip(batches, calls, strict=True):
                 ids = ahead.run(call)
                 ids = ids[0][:, 0] if isinstance(ids, tuple) else ids  # beams: the best
@@ -265,23 +264,17 @@ class Translator:
         self, rows: np.ndarray, lengths: list[int], limit: int, widest: int, d,
         given_limit: bool = False,
     ) -> Call:  # fmt: skip
-        """The search of a batch of source ``rows`` (``lengths``: source pieces of the
-        real rows, EOS excluded) under the decode settings ``d``: at most ``limit``
-        tokens, a traced value. It compiles for the bucket of ``widest``, the limit of
-        the widest batch of this source width, so that every batch of a width shares
-        one compiled search (:func:`~flaxformer_lite.inference.decoding.bucket`).
-        Greedy gives ``[b, t]`` ids, beam search (ids ``[b, k, t]``, scores)."""
+        """The search of a batch of source ``rows`` (``lengths``: the real rows' source
+        pieces, EOS excluded) under ``d``: at most ``limit`` tokens (traced), compiled
+        for the bucket of ``widest`` (the widest batch of this width's limit): one
+        search per width. Greedy gives ``[b, t]`` ids, beam (``[b, k, t]``, scores)."""
         c = self.config
         real = np.arange(len(rows)) < len(lengths)  # the others pad the batch
         n = np.asarray(lengths + [0] * (len(rows) - len(lengths)))
         size = decoding.bucket(max(limit, widest), c.max_len)
-        # Most beam outputs are about as long as their source: the search starts with
-        # a cache of the source width, and grows it for the rows that outlast it (the
-        # same outputs; see stepping.first_cache_length). The exact rule keeps rows
-        # stepping longer: 16 positions more (on the demo's split, 19.6 s against
-        # 22.5 s; the other rules ran 11% faster without them).
-        extra = 16 if d.beam_stop == "exact" else 0
-        first = decoding.bucket(rows.shape[1] + extra, size)
+        # Beam outputs are about as long as their source: the cache starts that long
+        # (stepping.first_cache_length), 16 more where the exact rule steps longer.
+        first = decoding.bucket(rows.shape[1] + 16 * (d.beam_stop == "exact"), size)
         traced = jnp.asarray(limit, jnp.int32)
         plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
         if d.beam_size == 1 and plain:  # each row its own limit: batch-mates change nothing

@@ -294,9 +294,8 @@ def restore_params(
 
 
 def _either_layout(read, target, key: str) -> dict:
-    """``read(target)`` as a dict; where that fails and the target holds layers,
-    ``read`` of the target in the other layer layout (``model.scan_layers``: stacked,
-    or one per layer), its ``key`` entry turned back into the target's layout."""
+    """``read(target)``; where that fails, ``read`` of the target in the other layer
+    layout (``model.scan_layers``), its ``key`` entry turned back into the target's."""
     try:
         return _whole(read(target), key)
     except Exception:
@@ -312,9 +311,8 @@ def _either_layout(read, target, key: str) -> dict:
 
 
 def _whole(restored, key: str) -> dict:
-    """``restored`` as a dict, if it holds every array asked for. A partial restore
-    hands back the target's own ShapeDtypeStruct where the checkpoint lacks a key (a
-    model of the other layer layout, another architecture): that is no checkpoint."""
+    """``restored`` as a dict, if it holds every array asked for (a partial restore
+    hands back the target's ShapeDtypeStruct where the checkpoint lacks a key)."""
     restored = dict(restored)
     for path, leaf in jax.tree_util.tree_flatten_with_path(restored[key])[0]:
         if isinstance(leaf, jax.ShapeDtypeStruct):
