@@ -275,9 +275,12 @@ def run_shrinking(
 
     def one_part(p, rows):
         # The last part may overlap the one before (the slice stays inside the
-        # batch): its rows from there are done, and stay as they are.
-        keep = lax.dynamic_slice_in_dim(order, p * part_size, part_size)
+        # batch): rows stepped there already sit this part out and are not written.
+        start = jnp.minimum(p * part_size, order.shape[0] - part_size)
+        keep = lax.dynamic_slice_in_dim(order, start, part_size)
+        fresh = start + jnp.arange(part_size) >= p * part_size
         part = jax.tree.map(lambda x: x[keep], rows)
+        part["active"] = part["active"] & fresh
         cache_rows = (keep[:, None] * k + jnp.arange(k)).reshape(-1)
         part_cache = take_cache_rows(cache, cache_rows)
         part_cache = grown(part_cache, grow[1]) if short else part_cache
@@ -287,7 +290,12 @@ def run_shrinking(
             return (i < stop_at) & jnp.any(part["active"])
 
         _, part, _ = lax.while_loop(part_cond, body, (i, part, part_cache))
-        return jax.tree.map(lambda full, x: full.at[keep].set(x), rows, part)
+
+        def put(full, x):
+            mine = fresh.reshape(-1, *[1] * (x.ndim - 1))
+            return full.at[keep].set(jnp.where(mine, x, full[keep]))
+
+        return jax.tree.map(put, rows, part)
 
     return lax.fori_loop(0, parts, one_part, rows)
 
