@@ -11,12 +11,15 @@ A trained translation run's test split, on this machine's CPU cores, in one proc
 - CTranslate2 (float32 and int8) on ``main export --format=ctranslate2`` of the same
   checkpoint: ``translate_batch``, greedy and beam 4, length_penalty = alpha
   (CTranslate2 divides by len^alpha, we by ((5 + len) / 6)^alpha: beam outputs may
-  differ where the penalties rank hypotheses differently).
+  differ where the penalties rank hypotheses differently), one batch at a time on
+  every core (``inter_threads=1``, the baseline the goals were set against) and two
+  batches at once on half the cores each (``inter_threads=2``), as ours runs two
+  (``decode.streams``).
 
 For each row: sentences/s, output tokens/s, the share of outputs identical to ours
 (beam: to ours with the exact rule) and corpus BLEU. Ours is timed warm ``--rounds``
-times, each beside a CTranslate2 fp32 run of the same mode (this machine's speed
-drifts within a minute): its ratio is the median of the rounds' ratios, its
+times, each beside CTranslate2 fp32 runs of the same mode (this machine's speed
+drifts within a minute): its ratios are the medians of the rounds' ratios, its
 sentences/s the median time's. Cold runs compile in this process, with no
 persistent compilation cache (``main`` keeps one for later processes). Writes
 benchmarks/results/decode_engines.{json,md}.
@@ -48,11 +51,14 @@ def compiles() -> int:
     return decoding.beam_search._cache_size() + decoding.sample._cache_size()
 
 
-def ctranslate2_outputs(folder, sp, texts, beams, alpha, extra):
+def ctranslate2_outputs(folder, sp, texts, beams, alpha, extra, inter=1):
+    """CTranslate2's outputs, seconds and output pieces; ``inter`` batches at once, each
+    on cores / inter threads."""
     import ctranslate2
 
+    cores = os.cpu_count() or 1
     translator = ctranslate2.Translator(
-        str(folder), device="cpu", inter_threads=1, intra_threads=os.cpu_count() or 1
+        str(folder), device="cpu", inter_threads=inter, intra_threads=max(1, cores // inter)
     )
     tokens = [sp.encode(s, out_type=str) + ["</s>"] for s in texts]
     started = time.perf_counter()
@@ -104,12 +110,14 @@ def main() -> None:
             for fmt in ("ctranslate2", "ctranslate2-int8")
         }
 
-        def engine(fmt, beams):
+        def engine(fmt, beams, inter=1):
             return ctranslate2_outputs(
-                folders[fmt], tokenizer.sp, texts, beams, args.alpha, run.config.decode.max_extra
-            )
+                folders[fmt], tokenizer.sp, texts, beams, args.alpha,
+                run.config.decode.max_extra, inter,
+            )  # fmt: skip
 
         engine_seconds = {}  # CTranslate2 fp32's times, measured beside ours
+        pair_seconds = {}  # the same with two batches at once (inter_threads=2)
         for mode, beams, stop in modes:
             # a fresh translator; its searches compile on the first call (cold)
             translator = Translator.from_workdir(args.workdir)
@@ -123,7 +131,7 @@ def main() -> None:
             compiled = compiles() - before
             # This machine's speed drifts within a minute: each round times ours, then
             # CTranslate2 fp32 on the same mode, and the ratio is the rounds' median.
-            warm, ratios = [], []
+            warm, ratios, pair_ratios = [], [], []
             for _ in range(args.rounds):
                 started = time.perf_counter()
                 outputs = translator.translate(texts, **options)
@@ -131,14 +139,21 @@ def main() -> None:
                 engine_outputs, seconds, _ = engine("ctranslate2", beams)
                 engine_seconds.setdefault(mode, ([], engine_outputs))[0].append(seconds)
                 ratios.append(seconds / warm[-1])
+                engine_outputs, seconds, _ = engine("ctranslate2", beams, inter=2)
+                pair_seconds.setdefault(mode, ([], engine_outputs))[0].append(seconds)
+                pair_ratios.append(seconds / warm[-1])
             label = "ours" if beams == 1 else f"ours ({stop})"
             if stop == "exact":
                 reference[mode] = outputs
             row(label, mode, outputs, statistics.median(warm), cold_seconds=cold,
-                compiles=compiled, vs_ct2=statistics.median(ratios), ratios=ratios)  # fmt: skip
+                compiles=compiled, vs_ct2=statistics.median(ratios), ratios=ratios,
+                vs_ct2_pair=statistics.median(pair_ratios), pair_ratios=pair_ratios,
+                streams=translator.decode.streams or 2)  # fmt: skip
         for mode, beams in (("greedy", 1), ("beam 4", 4)):
             times, outputs = engine_seconds[mode]
             row("CTranslate2", mode, outputs, statistics.median(times))
+            times, outputs = pair_seconds[mode]
+            row("CTranslate2, 2 batches at once", mode, outputs, statistics.median(times))
             outputs, seconds, _ = engine("ctranslate2-int8", beams)
             row("CTranslate2-int8", mode, outputs, seconds)
     write(args, rows, len(texts))
@@ -146,21 +161,27 @@ def main() -> None:
 
 def write(args, rows, sentences) -> None:
     ct2 = {r["mode"]: r["sentences_per_s"] for r in rows if r["system"] == "CTranslate2"}
+    pair = {
+        r["mode"]: r["sentences_per_s"]
+        for r in rows
+        if r["system"] == "CTranslate2, 2 batches at once"
+    }
     lines = [
         f"Test split of `{args.workdir}`: {sentences} sentences, alpha {args.alpha}, "
         f"{os.cpu_count()} CPU cores, one process.",
         "",
-        "| system | mode | sentences/s | tokens/s | vs CTranslate2 fp32 | cold / warm | "
-        "compiles | identical | BLEU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | mode | sentences/s | tokens/s | vs CTranslate2 fp32 | vs its 2 at once | "
+        "cold / warm | compiles | identical | BLEU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cold = f"{r['cold_seconds'] / r['seconds']:.2f}" if "cold_seconds" in r else ""
         same = "" if r["identical"] is None else f"{r['identical']:.1%}"
         ratio = r.get("vs_ct2", r["sentences_per_s"] / ct2[r["mode"]])
+        ratio2 = r.get("vs_ct2_pair", r["sentences_per_s"] / pair[r["mode"]])
         lines.append(
             f"| {r['system']} | {r['mode']} | {r['sentences_per_s']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {ratio:.2f}x | {cold} | "
+            f"{r['tokens_per_s']:.0f} | {ratio:.2f}x | {ratio2:.2f}x | {cold} | "
             f"{r.get('compiles', '')} | {same} | {r['bleu']:.2f} |"
         )
     out = Path(args.out)

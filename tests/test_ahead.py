@@ -1,6 +1,7 @@
 """Compiling a translation's searches ahead, in a background thread (inference/ahead.py)."""
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -55,3 +56,26 @@ def test_a_plain_function_runs_without_compiling():
     call = Call(lambda x: x + 1, 1)
     with Ahead([call]) as ahead:
         assert ahead.run(call) == 2
+
+
+def test_results_come_in_order_from_at_most_streams_calls_at_once():
+    lock, running, most, threads = threading.Lock(), [0], [0], set()
+
+    def slow(i):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            threads.add(threading.current_thread().name)
+        time.sleep(0.02 * (5 - i))  # the first calls end last
+        with lock:
+            running[0] -= 1
+        return np.full(2, i)
+
+    calls = [Call(slow, i) for i in range(5)]
+    with Ahead(calls, streams=2) as ahead:
+        outs = list(ahead.results())
+    assert [int(o[0]) for o in outs] == list(range(5))
+    assert most[0] == 2 and len(threads) == 2
+    assert all(name.startswith("decode-stream") for name in threads)
+    with pytest.raises(ValueError, match="streams=0"):
+        Ahead(calls, streams=0)

@@ -9,12 +9,20 @@ one background thread, in the order the batches need them, so that the wider bat
 programs are ready (or nearly) when the narrow batches are done. A jitted function
 called after ``lower(...).compile()`` of the same arguments reuses that executable, so
 the calls themselves do not change, and a search already compiled costs a cache look-up.
+
+It also runs the searches in ``streams`` threads at once (:meth:`Ahead.results`). One
+search of a batch leaves a core idle a third of the time (its steps are chains of
+small operations); two at once kept both cores busy and translated the demo's test
+split 1.2-1.3x faster, greedy and beam 4 alike, as CTranslate2's ``inter_threads``
+does. A search's output depends only on its own batch, so the streams change no output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 import jax
@@ -46,12 +54,17 @@ class Call:
 
 
 class Ahead:
-    """Runs ``calls`` in order (:meth:`run`), each distinct program compiled first in a
-    background thread, one at a time (XLA's compiler already uses every core), in
-    order of first use. Use as a context manager: leaving it waits for a compile
-    still under way and drops the ones not started."""
+    """Runs ``calls`` (:meth:`run` one, :meth:`results` all of them in order, in
+    ``streams`` threads), each distinct program compiled first in a background thread,
+    one at a time (XLA's compiler already uses every core), in order of first use.
+    Use as a context manager: leaving it waits for the compile and the calls still
+    under way and drops the ones not started."""
 
-    def __init__(self, calls: Sequence[Call]):
+    def __init__(self, calls: Sequence[Call], streams: int = 1):
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams={streams!r}: need an integer >= 1")
+        self._calls, self._streams = list(calls), streams
+        self._runners = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="decode-stream")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-ahead")
         self._ready: dict[tuple, Future] = {}
         for call in calls:
@@ -66,8 +79,23 @@ class Ahead:
             ready.result()
         return call()
 
+    def _fetched(self, call: Call) -> Any:
+        return jax.device_get(self.run(call))
+
+    def results(self) -> Iterator[Any]:
+        """Each call's result, on the host (numpy), in the calls' order; ``streams``
+        calls run at once, and at most twice that many wait done or under way."""
+        calls = iter(self._calls)
+        start = self._runners.submit
+        waiting = deque(start(self._fetched, c) for c in islice(calls, 2 * self._streams))
+        while waiting:
+            out = waiting.popleft().result()
+            waiting.extend(start(self._fetched, c) for c in islice(calls, 1))
+            yield out
+
     def __enter__(self) -> Ahead:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._runners.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)

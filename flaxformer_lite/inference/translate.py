@@ -252,9 +252,10 @@ class Translator:
             lengths = [len(encoded[i]) - 1 for i in idx]
             batches.append(idx)
             calls.append(self._search(rows, lengths, limit, size, d, bool(max_length)))
-        with Ahead(calls) as ahead:  # the wider batches' searches compile meanwhile
-            for idx, call in zip(batches, calls, strict=True):
-                ids = ahead.run(call)
+        # The wider batches' searches compile meanwhile; on CPU two batches run at once.
+        streams = d.streams or (2 if jax.default_backend() == "cpu" else 1)
+        with Ahead(calls, streams) as ahead:
+            for idx, ids in zip(batches, ahead.results(), strict=True):
                 ids = ids[0][:, 0] if isinstance(ids, tuple) else ids  # beams: the best
                 for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
                     results[todo[r]] = self.tokenizer.decode(tokens)
