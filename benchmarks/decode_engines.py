@@ -168,7 +168,14 @@ def write(args, rows, sentences) -> None:
     }
     lines = [
         f"Test split of `{args.workdir}`: {sentences} sentences, alpha {args.alpha}, "
-        f"{os.cpu_count()} CPU cores, one process.",
+        f"{os.cpu_count()} CPU cores, one process:",
+        "",
+        f"    python benchmarks/decode_engines.py --workdir={args.workdir} "
+        f"--alpha={args.alpha} --rounds={args.rounds}",
+        "",
+        "vs CTranslate2 fp32: one batch at a time on every core (inter_threads=1); vs its "
+        "2 at once: two batches at once (inter_threads=2), as ours runs two on CPU "
+        "(decode.streams).",
         "",
         "| system | mode | sentences/s | tokens/s | vs CTranslate2 fp32 | vs its 2 at once | "
         "cold / warm | compiles | identical | BLEU |",
