@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite.data import sources  # noqa: E402
 from flaxformer_lite.inference import decoding, export  # noqa: E402
+from flaxformer_lite.inference.ahead import default_streams  # noqa: E402
 from flaxformer_lite.inference.evaluation import corpus_scores  # noqa: E402
 from flaxformer_lite.inference.translate import Translator  # noqa: E402
 
@@ -145,10 +146,11 @@ def main() -> None:
             label = "ours" if beams == 1 else f"ours ({stop})"
             if stop == "exact":
                 reference[mode] = outputs
+            streams = translator.decode.streams or default_streams(translator.params)
             row(label, mode, outputs, statistics.median(warm), cold_seconds=cold,
                 compiles=compiled, vs_ct2=statistics.median(ratios), ratios=ratios,
                 vs_ct2_pair=statistics.median(pair_ratios), pair_ratios=pair_ratios,
-                streams=translator.decode.streams or 2)  # fmt: skip
+                streams=streams)  # fmt: skip
         for mode, beams in (("greedy", 1), ("beam 4", 4)):
             times, outputs = engine_seconds[mode]
             row("CTranslate2", mode, outputs, statistics.median(times))

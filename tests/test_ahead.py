@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from flaxformer_lite.inference.ahead import Ahead, Call
+from flaxformer_lite.inference.ahead import Ahead, Call, default_streams
 
 
 class _Spy:
@@ -79,3 +80,12 @@ def test_results_come_in_order_from_at_most_streams_calls_at_once():
     assert all(name.startswith("decode-stream") for name in threads)
     with pytest.raises(ValueError, match="streams=0"):
         Ahead(calls, streams=0)
+
+
+def test_two_streams_by_default_on_cpu_for_a_model_on_one_device():
+    params = {"w": jnp.ones((8, 4)), "b": np.zeros(4)}
+    assert default_streams(params) == 2
+    if jax.device_count() >= 2:  # a model spread over devices runs one search at a time
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+        spread = jax.device_put(params["w"], jax.sharding.NamedSharding(mesh, P("x")))
+        assert default_streams({**params, "w": spread}) == 1

@@ -339,8 +339,8 @@ class DecodeConfig(Section):
         "beam can still win), finished (beam_size ended)", choices=BEAM_STOPS)  # fmt: skip
     batch_tokens: int = option(512, "source tokens per decoding batch (sorted by "
         "length)", rule=POSITIVE)  # fmt: skip
-    streams: int = option(0, "decoding batches run at once (0 = 2 on CPU, 1 on an "
-        "accelerator)", rule=NON_NEGATIVE)  # fmt: skip
+    streams: int = option(0, "decoding batches run at once (0 = 2 on CPU for a model on "
+        "one device, else 1)", rule=NON_NEGATIVE)  # fmt: skip
 
     def check(self) -> None:
         rules.check_decode(self)

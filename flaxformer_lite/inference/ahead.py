@@ -28,6 +28,16 @@ from typing import Any
 import jax
 
 
+def default_streams(params) -> int:
+    """Batches decoded at once where ``decode.streams`` is 0: two on CPU for a model on
+    one device, else one (an accelerator runs its programs one after the other, and
+    the searches of a model spread over devices would run collectives side by side)."""
+    if jax.default_backend() != "cpu":
+        return 1
+    placed = [x.sharding.device_set for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+    return 2 if all(len(devices) == 1 for devices in placed) else 1
+
+
 class Call:
     """A jitted function with its arguments, to compile ahead and run later."""
 

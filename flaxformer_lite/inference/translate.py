@@ -32,7 +32,7 @@ from flaxformer_lite.config.experiment import DecodeConfig
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.inference import batching, decoding
-from flaxformer_lite.inference.ahead import Ahead, Call
+from flaxformer_lite.inference.ahead import Ahead, Call, default_streams
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
@@ -253,8 +253,7 @@ class Translator:
             batches.append(idx)
             calls.append(self._search(rows, lengths, limit, size, d, bool(max_length)))
         # The wider batches' searches compile meanwhile; on CPU two batches run at once.
-        streams = d.streams or (2 if jax.default_backend() == "cpu" else 1)
-        with Ahead(calls, streams) as ahead:
+        with Ahead(calls, d.streams or default_streams(self.params)) as ahead:
             for idx, ids in zip(batches, ahead.results(), strict=True):
                 ids = ids[0][:, 0] if isinstance(ids, tuple) else ids  # beams: the best
                 for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
