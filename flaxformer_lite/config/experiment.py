@@ -328,12 +328,10 @@ class DecodeConfig(Section):
     alpha: float = option(0.6, "length penalty exponent (paper 0.6)", rule=NON_NEGATIVE)
     max_extra: int = option(50, "outputs get at most source length + max_extra", rule=POSITIVE)
     no_repeat_ngram: int = option(0, "forbid repeating any n tokens (0 = off)", rule=NON_NEGATIVE)
-    min_length_ratio: float = option(
-        0.0, "outputs get >= ratio x source pieces (0 = off)", rule=NON_NEGATIVE
-    )
-    max_length_ratio: float = option(
-        0.0, "outputs get <= ratio x source pieces + 5 (0 = off)", rule=NON_NEGATIVE
-    )
+    min_length_ratio: float = option(0.0, "outputs get >= ratio x source pieces (0 = "
+        "off)", rule=NON_NEGATIVE)  # fmt: skip
+    max_length_ratio: float = option(0.0, "outputs get <= ratio x source pieces + 5 (0 "
+        "= off)", rule=NON_NEGATIVE)  # fmt: skip
     beam_stop: str = option("current", "when a beam row is done: current (beam_size "
         "ended, the worst beats every live beam at its current length), exact (no live "
         "beam can still win), finished (beam_size ended)", choices=BEAM_STOPS)  # fmt: skip
