@@ -111,45 +111,43 @@ class Stepper:
             raise ValueError("the encoder-decoder needs source inputs")
 
     def init_cache(self, batch: int, max_length: int):
-        """An empty cache; for the encoder-decoder, with the cross-attention keys and
-        values of the source already in it (each layer's projection of the encoder
-        output), so that every step, the first included, runs the same program."""
-        dummy = jnp.ones((batch, max_length), jnp.int32)
-        inputs = repeat_rows(self.source, self.repeat)
-        args = (dummy,) if self.is_lm else (inputs, dummy)
-        shapes = jax.eval_shape(
-            lambda: self.model.init(jax.random.key(0), *args, decode=True)["cache"]
-        )
-        empty = tuple(
-            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes) for _ in self.members
-        )
+        """An empty cache of ``batch`` rows and ``max_length`` positions; for the
+        encoder-decoder, with the cross-attention keys and values of the source already
+        in it (each layer's projection of the encoder output), so that every step, the
+        first included, runs the same program.
+
+        One call of the model over a ``max_length`` dummy target makes the cache: the
+        call that creates a cache fills only what comes from the source (the layers
+        compute the rest, which nothing reads and XLA drops). A separate pass for the
+        shapes (``model.init``) and a first step to fill the source's keys traced the
+        model twice more: a third of a search's tracing, and, for beams, a decoder
+        step of another batch size to compile."""
         if self.is_lm:
-            return empty
+            dummy = jnp.ones((batch, max_length), jnp.int32)
+            shapes = jax.eval_shape(
+                lambda p: self.model.apply({"params": p}, dummy, decode=True, mutable=["cache"]),
+                self.members[0],
+            )[1]["cache"]
+            empty = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return tuple(empty for _ in self.members)
         # The source's keys are projected once per source row, then repeated for its
-        # k beams: a step over one row per sentence (its other leaves are dropped).
+        # k beams; the other leaves start empty.
         k = self.repeat
-        one_per_row = [
-            jax.tree_util.tree_map_with_path(
-                lambda path, x: x[::k] if x.ndim > 0 and _per_row(path) else x, c
-            )
-            for c in empty
+        if batch != self.source.shape[0] * k:
+            raise ValueError(f"a cache of {batch} rows for {self.source.shape[0]} x {k} beams")
+        dummy = jnp.ones((self.source.shape[0], max_length), jnp.int32)
+
+        def expand(path, x):
+            if _name(path) in SOURCE_LEAVES:
+                return repeat_rows(x, k)
+            rows = x.shape[0] * k if x.ndim > 0 and _per_row(path) else None
+            return jnp.zeros(x.shape if rows is None else (rows, *x.shape[1:]), x.dtype)
+
+        made = [
+            self.model.apply({"params": p}, self.source, dummy, decode=True, mutable=["cache"])
+            for p in self.members
         ]
-        first = jnp.zeros((self.source.shape[0], 1), jnp.int32)  # any token will do
-        filled = [
-            self._member_step(p, c, first, self._encode(p), self.source)[1]
-            for p, c in zip(self.members, one_per_row, strict=True)
-        ]
-
-        def source_only(path, new, old):
-            return repeat_rows(new, k) if _name(path) in SOURCE_LEAVES else old
-
-        return tuple(
-            jax.tree_util.tree_map_with_path(source_only, new, old)
-            for new, old in zip(filled, empty, strict=True)
-        )
-
-    def _encode(self, params) -> Array:
-        return self.model.apply({"params": params}, self.source, method=Transformer.encode)
+        return tuple(jax.tree_util.tree_map_with_path(expand, m[1]["cache"]) for m in made)
 
     def _member_step(self, params, cache, tokens: Array, encoded, inputs):
         variables = {"params": params, "cache": cache}
