@@ -14,14 +14,17 @@ A trained translation run's test split, on this machine's CPU cores, in one proc
   differ where the penalties rank hypotheses differently), one batch at a time on
   every core (``inter_threads=1``, the baseline the goals were set against) and two
   batches at once on half the cores each (``inter_threads=2``), as ours runs two
-  (``decode.streams``).
+  (``decode.streams``);
+- ours cached: the first call of another fresh translator, its programs in XLA's
+  persistent compilation cache (what ``main translate``/``evaluate`` and a sweep's
+  later points find, ``--compilation_cache``): tracing and loading, no compiling.
 
 For each row: sentences/s, output tokens/s, the share of outputs identical to ours
 (beam: to ours with the exact rule) and corpus BLEU. Ours is timed warm ``--rounds``
 times, each beside CTranslate2 fp32 runs of the same mode (this machine's speed
 drifts within a minute): its ratios are the medians of the rounds' ratios, its
-sentences/s the median time's. Cold runs compile in this process, with no
-persistent compilation cache (``main`` keeps one for later processes). Writes
+sentences/s the median time's. Cold runs compile in this process: the persistent
+cache is a fresh folder, and each row's programs are new to it. Writes
 benchmarks/results/decode_engines.{json,md}.
 """
 
@@ -50,6 +53,23 @@ from flaxformer_lite.inference.translate import Translator  # noqa: E402
 
 def compiles() -> int:
     return decoding.beam_search._cache_size() + decoding.sample._cache_size()
+
+
+HITS = {"hits": 0}  # programs loaded from the persistent compilation cache (in the JSON)
+
+
+def _count_hits(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        HITS["hits"] += 1
+
+
+def keep_compiled(folder: Path) -> None:
+    """Compiled programs go to ``folder`` as ``main`` keeps them (``main`` sets a
+    0.5 s threshold; here every program is kept, so that a row's cached call
+    loads all of its searches)."""
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.monitoring.register_event_listener(_count_hits)
 
 
 def ctranslate2_outputs(folder, sp, texts, beams, alpha, extra, inter=1):
@@ -106,6 +126,7 @@ def main() -> None:
     modes = [("greedy", 1, "exact"), ("beam 4", 4, "exact"), ("beam 4", 4, "current"),
              ("beam 4", 4, "finished")]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
+        keep_compiled(Path(tmp) / "xla")
         folders = {
             fmt: export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
             for fmt in ("ctranslate2", "ctranslate2-int8")
@@ -125,11 +146,11 @@ def main() -> None:
             options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
             translator.decode = translator.decode.replace(beam_stop=stop)
             jax.clear_caches()  # every search compiles anew: this row's first call is cold
-            before = compiles()
+            before, hits = compiles(), HITS["hits"]
             started = time.perf_counter()
             translator.translate(texts, **options)
             cold = time.perf_counter() - started
-            compiled = compiles() - before
+            compiled, cold_hits = compiles() - before, HITS["hits"] - hits
             # This machine's speed drifts within a minute: each round times ours, then
             # CTranslate2 fp32 on the same mode, and the ratio is the rounds' median.
             warm, ratios, pair_ratios = [], [], []
@@ -143,11 +164,21 @@ def main() -> None:
                 engine_outputs, seconds, _ = engine("ctranslate2", beams, inter=2)
                 pair_seconds.setdefault(mode, ([], engine_outputs))[0].append(seconds)
                 pair_ratios.append(seconds / warm[-1])
+            # Another fresh translator, as in a later process: its programs are cached.
+            jax.clear_caches()
+            fresh, hits = Translator.from_workdir(args.workdir), HITS["hits"]
+            fresh.decode = translator.decode
+            started = time.perf_counter()
+            again = fresh.translate(texts, **options)
+            cached, cached_hits = time.perf_counter() - started, HITS["hits"] - hits
+            if again != outputs:
+                raise RuntimeError(f"{mode} ({stop}): the cached programs translate otherwise")
             label = "ours" if beams == 1 else f"ours ({stop})"
             if stop == "exact":
                 reference[mode] = outputs
             streams = translator.decode.streams or default_streams(translator.params)
             row(label, mode, outputs, statistics.median(warm), cold_seconds=cold,
+                cold_hits=cold_hits, cached_seconds=cached, cached_hits=cached_hits,
                 compiles=compiled, vs_ct2=statistics.median(ratios), ratios=ratios,
                 vs_ct2_pair=statistics.median(pair_ratios), pair_ratios=pair_ratios,
                 streams=streams)  # fmt: skip
@@ -177,20 +208,25 @@ def write(args, rows, sentences) -> None:
         "",
         "vs CTranslate2 fp32: one batch at a time on every core (inter_threads=1); vs its "
         "2 at once: two batches at once (inter_threads=2), as ours runs two on CPU "
-        "(decode.streams).",
+        "(decode.streams). Cold: the first call of a process that compiles its searches; "
+        "cached: the first call of a process whose searches are in the persistent "
+        "compilation cache (main's --compilation_cache).",
         "",
         "| system | mode | sentences/s | tokens/s | vs CTranslate2 fp32 | vs its 2 at once | "
-        "cold / warm | compiles | identical | BLEU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "cold / warm | cached / warm | compiles | identical | BLEU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        cold = f"{r['cold_seconds'] / r['seconds']:.2f}" if "cold_seconds" in r else ""
+        cold, cached = (
+            f"{r[f'{k}_seconds'] / r['seconds']:.2f}" if f"{k}_seconds" in r else ""
+            for k in ("cold", "cached")
+        )
         same = "" if r["identical"] is None else f"{r['identical']:.1%}"
         ratio = r.get("vs_ct2", r["sentences_per_s"] / ct2[r["mode"]])
         ratio2 = r.get("vs_ct2_pair", r["sentences_per_s"] / pair[r["mode"]])
         lines.append(
             f"| {r['system']} | {r['mode']} | {r['sentences_per_s']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {ratio:.2f}x | {ratio2:.2f}x | {cold} | "
+            f"{r['tokens_per_s']:.0f} | {ratio:.2f}x | {ratio2:.2f}x | {cold} | {cached} | "
             f"{r.get('compiles', '')} | {same} | {r['bleu']:.2f} |"
         )
     out = Path(args.out)
