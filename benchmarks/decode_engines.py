@@ -15,16 +15,18 @@ A trained translation run's test split, on this machine's CPU cores, in one proc
   every core (``inter_threads=1``, the baseline the goals were set against) and two
   batches at once on half the cores each (``inter_threads=2``), as ours runs two
   (``decode.streams``);
-- ours cached: the first call of another fresh translator, its programs in XLA's
+- ours cached: the first call of a fresh process whose searches are in XLA's
   persistent compilation cache (what ``main translate``/``evaluate`` and a sweep's
   later points find, ``--compilation_cache``): tracing and loading, no compiling.
+  One process fills a new cache folder, the next times its first call against its
+  second (its own warm call).
 
 For each row: sentences/s, output tokens/s, the share of outputs identical to ours
 (beam: to ours with the exact rule) and corpus BLEU. Ours is timed warm ``--rounds``
 times, each beside CTranslate2 fp32 runs of the same mode (this machine's speed
 drifts within a minute): its ratios are the medians of the rounds' ratios, its
-sentences/s the median time's. Cold runs compile in this process: the persistent
-cache is a fresh folder, and each row's programs are new to it. Writes
+sentences/s the median time's. Cold runs compile in this process, with no
+persistent compilation cache. Writes
 benchmarks/results/decode_engines.{json,md}.
 """
 
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,21 +58,39 @@ def compiles() -> int:
     return decoding.beam_search._cache_size() + decoding.sample._cache_size()
 
 
-HITS = {"hits": 0}  # programs loaded from the persistent compilation cache (in the JSON)
+def first_calls(workdir: str, texts, beams: int, stop: str, alpha: float) -> dict:
+    """This process's first and second translate call (seconds), the outputs of the
+    second and the programs loaded from the persistent compilation cache."""
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **_: hits.append(1) if event.endswith("/cache_hits") else None
+    )
+    translator = Translator.from_workdir(workdir)
+    translator.decode = translator.decode.replace(beam_stop=stop)
+    options = dict(beam_size=beams, alpha=alpha, no_repeat_ngram=0)
+    times, outputs = [], None
+    for _ in range(2):
+        started = time.perf_counter()
+        outputs = translator.translate(texts, **options)
+        times.append(time.perf_counter() - started)
+    return {"first": times[0], "second": times[1], "outputs": outputs, "hits": len(hits)}
 
 
-def _count_hits(event: str, **_) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        HITS["hits"] += 1
-
-
-def keep_compiled(folder: Path) -> None:
-    """Compiled programs go to ``folder`` as ``main`` keeps them (``main`` sets a
-    0.5 s threshold; here every program is kept, so that a row's cached call
-    loads all of its searches)."""
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.monitoring.register_event_listener(_count_hits)
+def cached_first_call(args, beams: int, stop: str, folder: Path) -> dict:
+    """Two fresh processes on one new persistent cache folder: the first compiles and
+    fills it, the second's first call finds its searches there. Every program is
+    kept (``main`` keeps those that took 0.5 s to compile)."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(folder))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    command = [sys.executable, __file__, f"--workdir={args.workdir}", f"--alpha={args.alpha}",
+               f"--limit={args.limit}", f"--first_calls={beams},{stop}"]  # fmt: skip
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {"filling": runs[0], "cached": runs[1]}
 
 
 def ctranslate2_outputs(folder, sp, texts, beams, alpha, extra, inter=1):
@@ -101,6 +122,7 @@ def main() -> None:
         "--rounds", type=int, default=3, help="warm runs of ours, each beside one of CTranslate2"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--first_calls", help=argparse.SUPPRESS)  # BEAMS,STOP: a child's run
     args = parser.parse_args()
     probe = Translator.from_workdir(args.workdir)
     run = probe.run
@@ -108,6 +130,10 @@ def main() -> None:
     pairs = sources.load_texts(d.dataset, d.test_split, d.features, d.data_dir)
     pairs = pairs[: args.limit] if args.limit else pairs
     texts, refs = [p[0] for p in pairs], [p[1] for p in pairs]
+    if args.first_calls:
+        beams, stop = args.first_calls.split(",")
+        print(json.dumps(first_calls(args.workdir, texts, int(beams), stop, args.alpha)))
+        return
     tokenizer = run.tokenizer
     rows, reference = [], {}
 
@@ -126,7 +152,6 @@ def main() -> None:
     modes = [("greedy", 1, "exact"), ("beam 4", 4, "exact"), ("beam 4", 4, "current"),
              ("beam 4", 4, "finished")]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        keep_compiled(Path(tmp) / "xla")
         folders = {
             fmt: export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
             for fmt in ("ctranslate2", "ctranslate2-int8")
@@ -146,11 +171,11 @@ def main() -> None:
             options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
             translator.decode = translator.decode.replace(beam_stop=stop)
             jax.clear_caches()  # every search compiles anew: this row's first call is cold
-            before, hits = compiles(), HITS["hits"]
+            before = compiles()
             started = time.perf_counter()
             translator.translate(texts, **options)
             cold = time.perf_counter() - started
-            compiled, cold_hits = compiles() - before, HITS["hits"] - hits
+            compiled = compiles() - before
             # This machine's speed drifts within a minute: each round times ours, then
             # CTranslate2 fp32 on the same mode, and the ratio is the rounds' median.
             warm, ratios, pair_ratios = [], [], []
@@ -164,22 +189,18 @@ def main() -> None:
                 engine_outputs, seconds, _ = engine("ctranslate2", beams, inter=2)
                 pair_seconds.setdefault(mode, ([], engine_outputs))[0].append(seconds)
                 pair_ratios.append(seconds / warm[-1])
-            # Another fresh translator, as in a later process: its programs are cached.
-            jax.clear_caches()
-            fresh, hits = Translator.from_workdir(args.workdir), HITS["hits"]
-            fresh.decode = translator.decode
-            started = time.perf_counter()
-            again = fresh.translate(texts, **options)
-            cached, cached_hits = time.perf_counter() - started, HITS["hits"] - hits
-            if again != outputs:
+            fresh = cached_first_call(args, beams, stop, Path(tmp) / f"xla-{beams}-{stop}")
+            if fresh["cached"].pop("outputs") != outputs:
                 raise RuntimeError(f"{mode} ({stop}): the cached programs translate otherwise")
+            fresh["filling"].pop("outputs")
             label = "ours" if beams == 1 else f"ours ({stop})"
             if stop == "exact":
                 reference[mode] = outputs
             streams = translator.decode.streams or default_streams(translator.params)
             row(label, mode, outputs, statistics.median(warm), cold_seconds=cold,
-                cold_hits=cold_hits, cached_seconds=cached, cached_hits=cached_hits,
-                compiles=compiled, vs_ct2=statistics.median(ratios), ratios=ratios,
+                cached=fresh["cached"]["first"] / fresh["cached"]["second"],
+                fresh_processes=fresh, compiles=compiled, vs_ct2=statistics.median(ratios),
+                ratios=ratios,
                 vs_ct2_pair=statistics.median(pair_ratios), pair_ratios=pair_ratios,
                 streams=streams)  # fmt: skip
         for mode, beams in (("greedy", 1), ("beam 4", 4)):
@@ -208,19 +229,17 @@ def write(args, rows, sentences) -> None:
         "",
         "vs CTranslate2 fp32: one batch at a time on every core (inter_threads=1); vs its "
         "2 at once: two batches at once (inter_threads=2), as ours runs two on CPU "
-        "(decode.streams). Cold: the first call of a process that compiles its searches; "
-        "cached: the first call of a process whose searches are in the persistent "
-        "compilation cache (main's --compilation_cache).",
+        "(decode.streams). Cold: the first call of this process, which compiles its "
+        "searches; cached: the first call of a fresh process whose searches are in the "
+        "persistent compilation cache (main's --compilation_cache), against its second.",
         "",
         "| system | mode | sentences/s | tokens/s | vs CTranslate2 fp32 | vs its 2 at once | "
         "cold / warm | cached / warm | compiles | identical | BLEU |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        cold, cached = (
-            f"{r[f'{k}_seconds'] / r['seconds']:.2f}" if f"{k}_seconds" in r else ""
-            for k in ("cold", "cached")
-        )
+        cold = f"{r['cold_seconds'] / r['seconds']:.2f}" if "cold_seconds" in r else ""
+        cached = f"{r['cached']:.2f}" if "cached" in r else ""
         same = "" if r["identical"] is None else f"{r['identical']:.1%}"
         ratio = r.get("vs_ct2", r["sentences_per_s"] / ct2[r["mode"]])
         ratio2 = r.get("vs_ct2_pair", r["sentences_per_s"] / pair[r["mode"]])
