@@ -1,6 +1,7 @@
 """Translating a test set: our Translator against CTranslate2 on the same weights.
 
   python benchmarks/decode_engines.py --workdir=runs/ende_small [--alpha 1.0] [--limit N]
+  python benchmarks/decode_engines.py --workdir=RUN --batch_sizes=1,64   # on a GPU
 
 A trained translation run's test split, on this machine's CPU cores, in one process:
 
@@ -20,6 +21,9 @@ A trained translation run's test split, on this machine's CPU cores, in one proc
   later points find, ``--compilation_cache``): tracing and loading, no compiling.
   One process fills a new cache folder, the next times its first call against its
   second (its own warm call).
+
+With ``--batch_sizes``: the accelerator's table instead (``batch_table``), batches of
+a fixed number of sentences, written to decode_batches.{json,md}.
 
 For each row: sentences/s, output tokens/s, the share of outputs identical to ours
 (beam: to ours with the exact rule) and corpus BLEU. Ours is timed warm ``--rounds``
@@ -93,19 +97,19 @@ def cached_first_call(args, beams: int, stop: str, folder: Path) -> dict:
     return {"filling": runs[0], "cached": runs[1]}
 
 
-def ctranslate2_outputs(folder, sp, texts, beams, alpha, extra, inter=1):
+def ctranslate2_outputs(folder, sp, texts, beams, alpha, extra, inter=1, batch=64, device="cpu"):
     """CTranslate2's outputs, seconds and output pieces; ``inter`` batches at once, each
-    on cores / inter threads."""
+    on cores / inter threads (on the CPU), of at most ``batch`` sentences."""
     import ctranslate2
 
     cores = os.cpu_count() or 1
     translator = ctranslate2.Translator(
-        str(folder), device="cpu", inter_threads=inter, intra_threads=max(1, cores // inter)
+        str(folder), device=device, inter_threads=inter, intra_threads=max(1, cores // inter)
     )
     tokens = [sp.encode(s, out_type=str) + ["</s>"] for s in texts]
     started = time.perf_counter()
     results = translator.translate_batch(
-        tokens, beam_size=beams, length_penalty=alpha, max_batch_size=64,
+        tokens, beam_size=beams, length_penalty=alpha, max_batch_size=batch,
         max_decoding_length=max(len(t) for t in tokens) + extra,
     )  # fmt: skip
     seconds = time.perf_counter() - started
@@ -122,6 +126,11 @@ def main() -> None:
         "--rounds", type=int, default=3, help="warm runs of ours, each beside one of CTranslate2"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument(
+        "--batch_sizes", default="",
+        help="e.g. 1,64: the table at batches of that many sentences, greedy and beam 4, on "
+        "jax's device (the accelerator's table); writes decode_batches.{json,md}",
+    )  # fmt: skip
     parser.add_argument("--first_calls", help=argparse.SUPPRESS)  # BEAMS,STOP: a child's run
     args = parser.parse_args()
     probe = Translator.from_workdir(args.workdir)
@@ -133,6 +142,9 @@ def main() -> None:
     if args.first_calls:
         beams, stop = args.first_calls.split(",")
         print(json.dumps(first_calls(args.workdir, texts, int(beams), stop, args.alpha)))
+        return
+    if args.batch_sizes:
+        batch_table(args, run, texts, refs)
         return
     tokenizer = run.tokenizer
     rows, reference = [], {}
@@ -211,6 +223,87 @@ def main() -> None:
             outputs, seconds, _ = engine("ctranslate2-int8", beams)
             row("CTranslate2-int8", mode, outputs, seconds)
     write(args, rows, len(texts))
+
+
+def batch_table(args, run, texts, refs) -> None:
+    """Ours and CTranslate2 at fixed batches of sentences (``--batch_sizes``), greedy
+    and beam 4 under the run's stopping rule, on jax's default device; CTranslate2 fp32
+    and int8 on CUDA where it sees a GPU, else on the CPU, and left out where it is not
+    installed (its export needs transformers and torch). Ours: cold, then ``--rounds``
+    warm calls (the median); one engine call each."""
+    try:
+        import ctranslate2
+    except ImportError:
+        ctranslate2 = None
+    device = "cpu"
+    if ctranslate2 is not None and ctranslate2.get_cuda_device_count() > 0:
+        device = "cuda"
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    tokenizer, rows = run.tokenizer, []
+
+    def add(system, mode, batch, outputs, seconds, **extra):
+        tokens = sum(len(tokenizer.side(1).encode(o)) for o in outputs)
+        rows.append({
+            "system": system, "mode": mode, "batch": batch, "seconds": seconds,
+            "sentences_per_s": len(outputs) / seconds, "tokens_per_s": tokens / seconds,
+            "bleu": corpus_scores(outputs, refs).bleu, **extra,
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {}
+        if ctranslate2 is not None:
+            folders = {
+                fmt: export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
+                for fmt in ("ctranslate2", "ctranslate2-int8")
+            }
+        for batch in sizes:
+            for mode, beams in (("greedy", 1), ("beam 4", 4)):
+                translator = Translator.from_workdir(args.workdir, batch_size=batch)
+                options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
+                jax.clear_caches()  # the first call compiles: cold
+                started = time.perf_counter()
+                translator.translate(texts, **options)
+                cold, warm = time.perf_counter() - started, []
+                for _ in range(args.rounds):
+                    started = time.perf_counter()
+                    outputs = translator.translate(texts, **options)
+                    warm.append(time.perf_counter() - started)
+                add("ours", mode, batch, outputs, statistics.median(warm), cold_seconds=cold,
+                    device=str(jax.devices()[0].platform))  # fmt: skip
+                for fmt, folder in folders.items():
+                    outputs, seconds, _ = ctranslate2_outputs(
+                        folder, tokenizer.sp, texts, beams, args.alpha,
+                        run.config.decode.max_extra, batch=batch, device=device,
+                    )  # fmt: skip
+                    system = fmt.replace("ctranslate2", "CTranslate2")
+                    add(system, mode, batch, outputs, seconds, device=device)
+    engines = {(r["mode"], r["batch"]): r for r in rows if r["system"] == "CTranslate2"}
+    lines = [
+        f"Test split of `{args.workdir}`: {len(texts)} sentences, alpha {args.alpha}, "
+        f"batches of a fixed number of sentences; ours on {jax.devices()[0].device_kind}, "
+        + (f"CTranslate2 on {device}:" if folders else "CTranslate2 not installed:"),
+        "",
+        f"    python benchmarks/decode_engines.py --workdir={args.workdir} "
+        f"--alpha={args.alpha} --batch_sizes={args.batch_sizes} --rounds={args.rounds}"
+        + (f" --limit={args.limit}" if args.limit else ""),
+        "",
+        "| system | mode | batch | sentences/s | tokens/s | vs CTranslate2 fp32 | "
+        "cold / warm | BLEU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        engine = engines.get((r["mode"], r["batch"]))
+        ratio = f"{r['sentences_per_s'] / engine['sentences_per_s']:.2f}x" if engine else ""
+        cold = f"{r['cold_seconds'] / r['seconds']:.2f}" if "cold_seconds" in r else ""
+        lines.append(
+            f"| {r['system']} | {r['mode']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {ratio} | {cold} | {r['bleu']:.2f} |"
+        )
+    out = Path(args.out)
+    (out / "decode_batches.json").write_text(json.dumps({"workdir": args.workdir, "rows": rows}))
+    (out / "decode_batches.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def write(args, rows, sentences) -> None:

@@ -5,11 +5,13 @@
 #   benchmarks/gpu/run.sh tests OUT     the tests marked gpu (real cuDNN) -> OUT/gpu_tests.log
 #   benchmarks/gpu/run.sh bench OUT     benchmarks/accelerator.py         -> OUT/accelerator.md
 #   benchmarks/gpu/run.sh train OUT     benchmarks/accelerator_train.py   -> OUT/train_run.md
-#   benchmarks/gpu/run.sh dry OUT       all three, tiny, on whatever is here (CPU included)
+#   benchmarks/gpu/run.sh decode OUT    the test split at batches of 1 and 64 sentences, on
+#                                       train's run (DECODE_WORKDIR)     -> OUT/decode_batches.md
+#   benchmarks/gpu/run.sh dry OUT       all four, tiny, on whatever is here (CPU included)
 #
 # Extra arguments go to the command (e.g. `bench OUT --only train --minutes 3`).
 set -uo pipefail
-what=${1:?usage: run.sh tests|bench|train|dry OUT [args]}; out=${2:?usage: run.sh ... OUT}
+what=${1:?usage: run.sh tests|bench|train|decode|dry OUT [args]}; out=${2:?usage: run.sh ... OUT}
 shift 2
 cd "$(dirname "$0")/../.."
 mkdir -p "$out"
@@ -38,5 +40,10 @@ if [ "$what" = bench ] || [ "$what" = dry ]; then
 fi
 if [ "$what" = train ] || [ "$what" = dry ]; then
   "$PY" benchmarks/accelerator_train.py --out "$out" "${tiny[@]}" "$@" || status=1
+fi
+if [ "$what" = decode ] || [ "$what" = dry ]; then
+  few=(); [ "$what" = dry ] && few=(--limit 16 --rounds 1)
+  "$PY" benchmarks/decode_engines.py --workdir "${DECODE_WORKDIR:-/tmp/flaxformer_accelerator_run}" \
+    --batch_sizes 1,64 --out "$out" "${few[@]}" "$@" || status=1
 fi
 exit $status
