@@ -134,7 +134,8 @@ class Stepper:
         # k beams; the other leaves start empty.
         k = self.repeat
         if batch != self.source.shape[0] * k:
-            raise ValueError(f"a cache of {batch} rows for {self.source.shape[0]} x {k} beams")
+            rows = self.source.shape[0]
+            raise ValueError(f"init_cache(batch={batch}): need {rows} source rows x {k}")
         dummy = jnp.ones((self.source.shape[0], max_length), jnp.int32)
 
         def expand(path, x):
