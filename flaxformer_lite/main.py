@@ -303,12 +303,20 @@ def _keep_compiled_programs(folder: str) -> None:
     """XLA's compiled programs go to ``folder`` (``--compilation_cache``) for the next
     process, unless JAX_COMPILATION_CACHE_DIR names another: a test set's searches
     took ~2.5 s each to compile on 2 CPU cores, a third of a cold evaluation. Entries
-    are keyed on the program, the jax version and the flags."""
+    are keyed on the program, the jax version and the flags.
+
+    The size limit needs ``filelock`` (a dependency): with a limit set and no
+    filelock, jax reads and writes no entry at all, so an install without it keeps
+    an unbounded cache instead."""
     import jax
 
     if folder and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(folder))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        try:
+            import filelock  # noqa: F401
+        except ImportError:
+            return
         jax.config.update("jax_compilation_cache_max_size", 2 << 30)  # bytes, oldest out
 
 

@@ -131,3 +131,44 @@ def test_compiled_programs_are_kept_in_the_compilation_cache_folder(tmp_path):
     finally:
         for n, value in before.items():
             jax.config.update(n, value)
+
+
+# A fresh process: main's cache settings, then one program compiled twice (the second
+# time after jax forgets it in memory), so that it is written and then read back.
+CACHE_ROUND_TRIP = """
+import os, sys, warnings
+if sys.argv[2] == "hide":
+    sys.modules["filelock"] = None  # an install without it: importing it fails
+warnings.simplefilter("error")  # jax warns, and goes on, where it cannot use an entry
+import jax, jax.numpy as jnp
+from flaxformer_lite import main
+main._keep_compiled_programs(sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this tiny program too
+f = lambda x: jnp.sin(x) @ x.T
+for _ in range(2):
+    jax.jit(f)(jnp.ones((8, 8))).block_until_ready()
+    jax.clear_caches()
+print("LIMIT", jax.config.jax_compilation_cache_max_size)
+print("ENTRIES", len([n for n in os.listdir(sys.argv[1]) if n.endswith("-cache")]))
+"""
+
+
+@pytest.mark.parametrize("filelock", ["installed", "hide"])
+def test_the_compilation_cache_writes_and_reads_its_entries(tmp_path, filelock):
+    """With a size limit set and no ``filelock``, jax read and wrote no entry at all
+    (a plain install lacked it): the package depends on it, and without it main keeps
+    an unbounded cache rather than none."""
+    import importlib.metadata
+
+    requires = importlib.metadata.requires("flaxformer_lite") or []
+    assert any(r.split(";")[0].startswith("filelock") for r in requires), requires
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    folder = tmp_path / "xla"
+    out = subprocess.run(
+        [sys.executable, "-c", CACHE_ROUND_TRIP, str(folder), filelock],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ENTRIES 0" not in out.stdout, out.stdout
+    limit = "-1" if filelock == "hide" else str(2 << 30)
+    assert f"LIMIT {limit}" in out.stdout, out.stdout
