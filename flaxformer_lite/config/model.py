@@ -153,7 +153,8 @@ class ModelConfig(Section):
     sow_attention_weights: bool = option(False, "store weights in 'intermediates'")
     scan_layers: bool = option(
         False, "each layer stack compiled once as a scan (parameters stacked along a "
-        "'layers' axis; decoding runs the layers unrolled)",
+        "'layers' axis; the unrolled model's initial parameters and dropout masks, so the "
+        "same numbers; decoding runs the layers unrolled)",
     )  # fmt: skip
     remat: str = option(
         "none", "recompute each layer in the backward pass, keeping: none (all) | full "

@@ -33,6 +33,7 @@ from flaxformer_lite.model.attention import (
     make_score_fn,
 )
 from flaxformer_lite.model.chunked import chunked_attention
+from flaxformer_lite.model.dropout import make_rng
 from flaxformer_lite.model.embedding import default_positions, rotate
 from flaxformer_lite.model.masks import SegmentIds, combine_masks, make_causal_mask
 from flaxformer_lite.sparse import spec
@@ -214,9 +215,7 @@ class MultiHeadAttention(nn.Module):
         if c.sow_attention_weights:
             self._sow(weights, score(query, key), mask)
         if not deterministic and c.attention_dropout > 0.0:
-            weights = dropout_weights(
-                weights, c.attention_dropout, self.make_rng("dropout"), c.dropout_bits
-            )
+            weights = dropout_weights(weights, c.attention_dropout, make_rng(self), c.dropout_bits)
         return jnp.einsum("bhqk,bkhv->bqhv", weights, value)
 
     def _sow(self, weights: Array, scores: Array, mask: Array | None) -> None:

@@ -10,9 +10,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.model import partitioning as P
+from flaxformer_lite.model.dropout import scanned_layer
+from flaxformer_lite.workdir.layer_layout import switched
 
 
 def rematerialized(layer_class, policy: str, static_argnums: tuple[int, ...]):
@@ -32,10 +35,11 @@ def rematerialized(layer_class, policy: str, static_argnums: tuple[int, ...]):
 
 
 class LayerBody(nn.Module):
-    """One layer of ``layer_class`` as a scan body: ``(x, shared, positions) -> (x,
-    None)``; ``shared`` the arguments every layer gets alike (masks, the encoder
+    """One layer of ``layer_class`` as a scan body: ``(x, shared, positions, index) ->
+    (x, None)``; ``shared`` the arguments every layer gets alike (masks, the encoder
     output), ``static`` its Python-valued ones (``deterministic``, ``decode``), at
-    ``static_argnums`` for remat (``self`` counted as 0)."""
+    ``static_argnums`` for remat (``self`` counted as 0); ``index`` the layer's number,
+    scanned, so that its dropout draws the unrolled layer's keys (model/dropout.py)."""
 
     layer_class: Any
     config: ModelConfig
@@ -43,24 +47,57 @@ class LayerBody(nn.Module):
     static: tuple = ()
     static_argnums: tuple = ()
 
+    length: int = 1
+
     @nn.compact
-    def __call__(self, x, shared: tuple, positions):
+    def __call__(self, x, shared: tuple, positions, index):
         c = self.config
         layer_class = rematerialized(self.layer_class, c.remat, self.static_argnums)
         layer = layer_class(c, *self.layer_args, name="layer")
-        return layer(x, *shared, *self.static, positions), None
+        path = self.scope.rngs["dropout"].suffix if "dropout" in self.scope.rngs else ()
+        with scanned_layer(index, self.length, path):
+            return layer(x, *shared, *self.static, positions), None
 
 
 def scanned(length: int):
     """``length`` copies of a :class:`LayerBody` as one ``nn.scan``: compiled once,
     their parameters stacked along the ``layers`` logical axis, every argument but the
-    carried activations the same for each layer. Each copy is the layer of index 0: a
-    pattern must be the same in every layer (config/rules.py)."""
-    return nn.scan(
+    carried activations and the layer's index the same for each layer. Each copy is the
+    layer of index 0: a pattern must be the same in every layer (config/rules.py).
+
+    Call the result with ``(x, shared, positions)``. The dropout key is broadcast and
+    each layer derives the unrolled layer's keys from it (:func:`dropout.make_rng`);
+    parameters are split per layer here, and :func:`init` makes them the unrolled
+    model's, so that the field changes how a step compiles, never its numbers."""
+    stack = nn.scan(
         LayerBody,
         variable_axes={"params": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=nn.broadcast,
+        split_rngs={"params": True, "dropout": False},
+        in_axes=(nn.broadcast, nn.broadcast, 0),
         length=length,
         metadata_params={nn.PARTITION_NAME: P.LAYERS},
     )
+
+    def make(*args, **kwargs):
+        body = stack(*args, length=length, **kwargs)
+        return lambda x, shared, positions: body(x, shared, positions, jnp.arange(length))
+
+    return make
+
+
+def init(model: nn.Module, rngs, *args, **kwargs):
+    """``model.init(rngs, *args, **kwargs)``, whose parameters are the same numbers
+    whether ``model.scan_layers`` is on or off: a scanned model is initialised as its
+    unrolled twin and its layers stacked, in the scanned model's boxes (axis names)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "scan_layers", False):
+        return model.init(rngs, *args, **kwargs)
+    twin = model.clone(config=config.replace(scan_layers=False))
+    values = P.unbox(twin.init(rngs, *args, **kwargs))
+    stacked, _ = switched(values)
+    boxes = jax.eval_shape(lambda: model.init(rngs, *args, **kwargs))
+    return jax.tree.map(
+        lambda box, value: box.replace_boxed(value) if isinstance(box, nn.meta.AxisMetadata)
+        else value,
+        boxes, stacked, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )  # fmt: skip

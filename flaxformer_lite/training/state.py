@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from flaxformer_lite.config.experiment import ExperimentConfig, OptimizerConfig
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.model import partitioning
+from flaxformer_lite.model import partitioning, stacks
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
@@ -231,7 +231,7 @@ def create_train_state(
 
     def init() -> TrainState:
         init_rng, dropout_rng = jax.random.split(jax.random.key(seed))
-        params = partitioning.unbox(model.init(init_rng, *args)["params"])
+        params = partitioning.unbox(stacks.init(model, init_rng, *args)["params"])
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
