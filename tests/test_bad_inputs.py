@@ -96,6 +96,12 @@ CASES = [
     ("unknown dataset", ["--config.data.dataset=wmt99"], ["wmt99"]),
     ("own corpus missing", ["--config.data.dataset=files:{tmp}/nowhere"], ["no such file"]),
     (
+        "own corpus folder without files:",
+        ["--config.data.dataset={tmp}/own"],
+        ["data.dataset=", "own is a folder", "--config.data.dataset=files:", "/own"],
+    ),  # fmt: skip
+    ("a path that is not there", ["--config.data.dataset={tmp}/nowhere"], ["no such", "files:"]),
+    (
         "own corpus, data_dir under a file",
         ["--config.data.dataset=files:{tmp}/own", "--config.data.data_dir={tmp}/a_file/tfds"],
         ["cannot write data.data_dir=", "a_file", "writable folder"],

@@ -3,9 +3,11 @@ splits it carves, the build it reuses, the run folder's record of it, and one cl
 error for each way a corpus can be wrong."""
 
 import gzip
+import io
 import json
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -70,21 +72,54 @@ def test_line_aligned_files_build_once_carve_what_is_missing_and_rebuild_on_chan
     assert len(list((data_dir / "local_files").iterdir())) == 2
 
 
-def test_tsv_columns_by_header_or_by_position_and_plain_text_for_a_language_model(tmp_path):
+def test_tsv_columns_by_header_or_by_position_and_plain_text_for_a_language_model(tmp_path, capsys):
     pairs = _pairs(300)
     by_header = tmp_path / "header.tsv"
     _write(by_header, ["id\tde\ten"] + [f"{i}\t{de}\t{en}" for i, (en, de) in enumerate(pairs)])
     assert _load(f"files:{by_header}", "train", tmp_path / "a")[:3] == pairs[:3]
+    said = capsys.readouterr().out
+    assert f"{by_header}: columns by header: en = column 3, de = column 2" in said
+    assert said.count("columns by header") == 1  # once per file, however often it is read
     by_position = tmp_path / "tsv"
     by_position.mkdir()
     _write(by_position / "train.tsv", [f"{en}\t{de}" for en, de in pairs])
     _write(by_position / "test.tsv", [f"{en}\t{de}" for en, de in pairs[:5]])
     assert _load(f"files:{by_position}", "test", tmp_path / "b") == pairs[:5]
+    said = capsys.readouterr().out
+    for split in ("train", "test"):
+        assert (
+            f"{by_position / split}.tsv: columns by position: no header names en and de; "
+            "column 1 = en, column 2 = de" in said
+        )
     assert len(_load(f"files:{by_position}", "validation", tmp_path / "b")) == 30
     text = tmp_path / "book.txt"
     _write(text, [en for en, _ in pairs])
     lines = _load(f"files:{text}", "train", tmp_path / "c", features=("en",))
     assert len(lines) == 240 and lines[0] == (pairs[0][0],)
+
+
+def test_a_byte_order_mark_is_not_text_and_never_hides_a_header(tmp_path, capsys):
+    """A file saved by a Windows tool starts with U+FEFF: the header "<BOM>de<TAB>en" is
+    still a header (trained en -> de, not German as English with the header as a pair),
+    and a line-aligned file's first line loses the mark."""
+    pairs = _pairs(300)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rows = ["de\ten"] + [f"{de}\t{en}" for en, de in pairs]
+    (corpus / "train.tsv").write_bytes("\ufeff".encode() + "\n".join(rows).encode() + b"\n")
+    loaded = _load(f"files:{corpus}", "train", tmp_path / "a")
+    assert set(loaded) <= set(pairs) and len(loaded) == 240  # 30 + 30 carved off: valid, test
+    assert ("de", "en") not in loaded and ("en", "de") not in loaded
+    assert "train.tsv: columns by header: en = column 2, de = column 1" in capsys.readouterr().out
+    lines = tmp_path / "lines"
+    _parallel(lines, "train", pairs)
+    (lines / "train.en").write_bytes("\ufeff".encode() + (lines / "train.en").read_bytes())
+    loaded = [
+        p
+        for s in ("train", "validation", "test")
+        for p in _load(f"files:{lines}", s, tmp_path / "b")
+    ]
+    assert sorted(loaded) == sorted(pairs)  # the first line's English without the mark
 
 
 def test_the_run_folder_records_the_corpus_and_refuses_other_files(tmp_path):
@@ -235,3 +270,24 @@ def test_a_corpus_past_tfds_memory_buffer_builds_without_tensorflow(tmp_path, mo
     _parallel(corpus, "valid", _pairs(20, seed=1))
     _parallel(corpus, "test", _pairs(20, seed=2))
     assert _load(f"files:{corpus}", "train", tmp_path / "tfds") == train
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path, capfd, monkeypatch):
+    """A build whose output is a log or a pipe (here: pytest's capture) holds no
+    carriage return or cursor-up escape of TFDS's bars; on a terminal they stay."""
+    corpus = tmp_path / "corpus"
+    _parallel(corpus, "train", _pairs(300))
+    _load(f"files:{corpus}", "train", tmp_path / "a")
+    out, err = capfd.readouterr()
+    assert "building" in out and not re.search(r"\r|\x1b\[", out + err)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    _parallel(corpus, "train", _pairs(300, seed=1))  # other content: built again
+    _load(f"files:{corpus}", "train", tmp_path / "a")
+    assert "\r" in terminal.getvalue() and "examples" in terminal.getvalue()

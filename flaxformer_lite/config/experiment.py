@@ -122,7 +122,7 @@ class DataConfig(Section):
         "recall or classify (generated tasks: mqar/..., needle/..., listops/...)",
         choices=TASKS,
     )  # fmt: skip
-    dataset: str = option("ding_de_en", "local builder (ding_de_en, bible_en_es) or a TFDS name")
+    dataset: str = option("ding_de_en", "ding_de_en | bible_en_es | files:PATH | a TFDS name")
     source_lang: str = option("en", "feature read as the source sentence")
     target_lang: str = option("de", "feature read as the target sentence (the LM's text)")
     data_dir: str = option("data/tfds", "where TFDS datasets are written and read")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import corpora, tfds_spill
+from flaxformer_lite.data import corpora, progress, tfds_spill
 from flaxformer_lite.data.prepare import PACKAGES, locate_dataset
 
 _INSTRUCTIONS = "Run `make prepare` (python -m flaxformer_lite.data.prepare) first."
@@ -139,7 +139,8 @@ def build_local_dataset(
                 link.unlink()
             link.symlink_to(Path(path).resolve())
         tfds_spill.install()
-        builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(manual_dir=str(manual))
-        )
+        with progress.where_seen():
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(manual_dir=str(manual))
+            )
     return builder

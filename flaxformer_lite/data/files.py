@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import tfds_spill
+from flaxformer_lite.data import progress, tfds_spill
 
 PREFIX = "files:"
 SPLITS = {"train": ("train",), "validation": ("validation", "valid", "dev"), "test": ("test",)}
@@ -51,6 +51,24 @@ class CorpusError(ValueError):
 
 def is_files(dataset: str) -> bool:
     return dataset.startswith(PREFIX)
+
+
+def check_not_a_bare_path(dataset: str) -> None:
+    """A file or folder given as ``data.dataset`` without ``files:`` (the first thing a
+    user types) is named with the fix, instead of reaching TFDS as a builder name."""
+    path = Path(dataset).expanduser()
+    looks_like_path = dataset.startswith(("/", "./", "../", "~")) or dataset in (".", "..")
+    if path.exists():
+        kind = "a folder" if path.is_dir() else "a file"
+        raise CorpusError(
+            f"data.dataset={dataset} is {kind}; a corpus of your own files is named "
+            f"--config.data.dataset=files:{dataset}"
+        )
+    if looks_like_path:
+        raise CorpusError(
+            f"data.dataset={dataset}: no such file or folder (a corpus of your own files "
+            f"is named files:PATH, an existing PATH)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +93,42 @@ def _open(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
+BOM = "\ufeff"  # what Windows tools put at the start of a UTF-8 file; never text
+
+
 def _tsv_source(path: Path, features: Sequence[str]) -> Source:
-    """The TSV file's columns for ``features``: by its header, else by position."""
+    """The TSV file's columns for ``features``: by its header, else by position; how
+    they were chosen is printed once per file, so that a header of other names
+    (``src<TAB>tgt``), read as a pair, is seen before a run trains on it."""
     with _open(path) as f:
         first = f.readline()
     if not first:
         raise CorpusError(f"{path} is empty; give it a line per pair")
-    cells = first.decode("utf-8", errors="replace").rstrip("\r\n").split("\t")
+    line = first.decode("utf-8", errors="replace").rstrip("\r\n").removeprefix(BOM)
+    cells = [cell.strip() for cell in line.split("\t")]
     if all(feature in cells for feature in features):
-        return Source("tsv", (str(path),), tuple(cells.index(f) for f in features), header=True)
-    if len(cells) < len(features):
+        source = Source("tsv", (str(path),), tuple(cells.index(f) for f in features), True)
+        how = "by header: " + ", ".join(
+            f"{f} = column {c + 1}" for f, c in zip(features, source.columns, strict=True)
+        )
+    elif len(cells) < len(features):
         raise CorpusError(
             f"{path} line 1 has {len(cells)} column(s); {len(features)} are needed "
             f"({', '.join(features)}), tab-separated"
         )
-    return Source("tsv", (str(path),), tuple(range(len(features))))
+    else:
+        source = Source("tsv", (str(path),), tuple(range(len(features))))
+        how = (
+            f"by position: no header names {' and '.join(features)}; "
+            + ", ".join(f"column {c + 1} = {f}" for c, f in enumerate(features))
+        )
+    if (str(path), source.columns) not in _TOLD:
+        _TOLD.add((str(path), source.columns))
+        print(f"files: {path}: columns {how}", flush=True)
+    return source
+
+
+_TOLD: set = set()  # the TSV files whose columns were printed in this process
 
 
 def discover(path: str | Path, features: Sequence[str]) -> dict[str, Source]:
@@ -140,11 +179,13 @@ def discover(path: str | Path, features: Sequence[str]) -> dict[str, Source]:
 
 
 def _lines(path: str) -> Iterator[str]:
-    """The lines of a file, decoded, with one clear error for bytes that are not UTF-8."""
+    """The lines of a file, decoded, with one clear error for bytes that are not UTF-8;
+    a byte-order mark at the file's start is dropped (as ``utf-8-sig`` does)."""
     with _open(Path(path)) as f:
         for number, raw in enumerate(f, 1):
             try:
-                yield raw.decode("utf-8").rstrip("\r\n")
+                line = raw.decode("utf-8").rstrip("\r\n")
+                yield line.removeprefix(BOM) if number == 1 else line
             except UnicodeDecodeError as e:
                 raise CorpusError(
                     f"{path} line {number} is not UTF-8 ({e.reason} at byte {e.start}); "
@@ -348,7 +389,8 @@ def build(dataset: str, features: Sequence[str], data_dir: str | Path) -> tfds.c
         started = time.perf_counter()
         tfds_spill.install()  # past 1 GB TFDS spills through TensorFlow otherwise
         try:
-            builder.download_and_prepare()
+            with progress.where_seen():
+                builder.download_and_prepare()
         except BaseException:
             # Nothing complete was there (not prepared, and the folder is this content's
             # own): leave no empty or partial build behind.

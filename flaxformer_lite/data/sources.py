@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import builders, files, tfds_spill
+from flaxformer_lite.data import builders, files, progress, tfds_spill
 
 
 def open_split(dataset: str, split: str, features: Sequence[str], data_dir: str | Path):
@@ -31,9 +31,13 @@ def open_split(dataset: str, split: str, features: Sequence[str], data_dir: str 
         builders.build_local_dataset(dataset, data_dir)
         source = tfds.data_source(dataset, split=split, data_dir=str(data_dir))
     else:  # any TFDS name, e.g. wmt14_translate/de-en (downloads on first use)
+        files.check_not_a_bare_path(dataset)
         tfds_spill.install()  # wmt14 is past the 1 GB TFDS spills through TensorFlow
         try:
-            source = tfds.data_source(dataset, split=split, data_dir=str(data_dir), download=True)
+            with progress.where_seen():
+                source = tfds.data_source(
+                    dataset, split=split, data_dir=str(data_dir), download=True
+                )
         except tfds.core.registered.DatasetNotFoundError:
             raise ValueError(
                 f"data.dataset={dataset!r} is neither a local corpus "

@@ -38,6 +38,8 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
+from flaxformer_lite.data import progress
+
 FILL, FIRST = 3, 4  # the filler token; the first of a task's symbols
 KEYS = VALUES = 128  # recall tasks: key and value symbols
 OPS = ("[MAX", "[MIN", "[MED", "[SM")
@@ -289,11 +291,18 @@ def builder(dataset: str, data_dir: str) -> tfds.core.DatasetBuilder:
     return BUILDERS[spec.task](config=config, data_dir=data_dir, file_format="array_record")
 
 
-def load_examples(dataset: str, split: str, data_dir: str) -> list[dict[str, np.ndarray]]:
-    """The examples of a split, built first if needed (int32 arrays)."""
+def build(dataset: str, data_dir: str) -> tfds.core.DatasetBuilder:
+    """The builder of ``task/config``, its splits written if they were not."""
     b = builder(dataset, data_dir)
     if not b.is_prepared():
-        b.download_and_prepare()
+        with progress.where_seen():
+            b.download_and_prepare()
+    return b
+
+
+def load_examples(dataset: str, split: str, data_dir: str) -> list[dict[str, np.ndarray]]:
+    """The examples of a split, built first if needed (int32 arrays)."""
+    b = build(dataset, data_dir)
     source = b.as_data_source(split=split)
     records = source.__getitems__(list(range(len(source))))
     return [{k: np.asarray(v, np.int32) for k, v in r.items()} for r in records]

@@ -69,6 +69,8 @@ def read_lines(
             report["lines"] += 1
             raw = raw[:-1] if raw.endswith(b"\n") else raw
             raw = raw[:-1] if raw.endswith(b"\r") else raw
+            if report["lines"] == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a byte-order mark (Windows tools' UTF-8): not text
             try:
                 yield raw.decode("utf-8")
             except UnicodeDecodeError:

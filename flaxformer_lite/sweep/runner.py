@@ -263,7 +263,7 @@ def run_sweep(
     if parallel > 1 and data.dataset in LOCAL_BUILDERS:
         build_local_dataset(data.dataset, data.data_dir)  # once, not by racing runs
     elif parallel > 1 and synthetic.parse(data.dataset) is not None:
-        synthetic.builder(data.dataset, data.data_dir).download_and_prepare()
+        synthetic.build(data.dataset, data.data_dir)
     recorded = _recorded(workdir)
     finished = sum(_finished(workdir, r, recorded) for r in runs)
     print(
