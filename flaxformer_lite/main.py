@@ -299,27 +299,6 @@ def _check_flags(name: str, command: Command) -> None:
         _fail(f"{name} takes no --config overrides; they belong to train and sweep")
 
 
-def _keep_compiled_programs(folder: str) -> None:
-    """XLA's compiled programs go to ``folder`` (``--compilation_cache``) for the next
-    process, unless JAX_COMPILATION_CACHE_DIR names another: a test set's searches
-    took ~2.5 s each to compile on 2 CPU cores, a third of a cold evaluation. Entries
-    are keyed on the program, the jax version and the flags.
-
-    The size limit needs ``filelock`` (a dependency): with a limit set and no
-    filelock, jax reads and writes no entry at all, so an install without it keeps
-    an unbounded cache instead."""
-    import jax
-
-    if folder and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(folder))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        try:
-            import filelock  # noqa: F401
-        except ImportError:
-            return
-        jax.config.update("jax_compilation_cache_max_size", 2 << 30)  # bytes, oldest out
-
-
 def _fail(message: str) -> None:
     """One ``error:`` line (a message of several lines keeps its first and last) and exit 1."""
     lines = [x.strip() for x in str(message).splitlines() if x.strip()]
@@ -363,7 +342,9 @@ def main(argv: list[str]) -> None:
     if not command.workdir:  # fields: nothing to fail but the config's own import
         command.run(argv[2:])
         return
-    _keep_compiled_programs(_XLA_CACHE.value)
+    from flaxformer_lite.workdir.compile_cache import keep_compiled_programs
+
+    keep_compiled_programs(_XLA_CACHE.value)
     errors = _user_errors()
     try:
         command.run(argv[2:])

@@ -44,6 +44,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# The workers and their subprocesses write that folder at once: with a size limit jax
+# locks it, so none reads another's half-written entry (workdir/compile_cache.py).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 50))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -115,18 +115,21 @@ def test_compiled_programs_are_kept_in_the_compilation_cache_folder(tmp_path):
     folder given by JAX_COMPILATION_CACHE_DIR (the suite's own) wins."""
     import jax
 
-    from flaxformer_lite import main
+    from flaxformer_lite.workdir import compile_cache
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_compilation_cache_max_size")  # fmt: skip
     before = {n: getattr(jax.config, n) for n in names}
     try:
-        main._keep_compiled_programs(str(tmp_path / "other"))
+        jax.config.update("jax_compilation_cache_max_size", -1)
+        compile_cache.keep_compiled_programs(str(tmp_path / "other"))
         assert jax.config.jax_compilation_cache_dir == before["jax_compilation_cache_dir"]
+        # The user's folder keeps its size but gets a limit: jax's lock between processes.
+        assert jax.config.jax_compilation_cache_max_size == compile_cache.LOCK_ONLY
         jax.config.update("jax_compilation_cache_dir", None)
-        main._keep_compiled_programs("")
+        compile_cache.keep_compiled_programs("")
         assert jax.config.jax_compilation_cache_dir is None
-        main._keep_compiled_programs(str(tmp_path / "xla"))
+        compile_cache.keep_compiled_programs(str(tmp_path / "xla"))
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
     finally:
         for n, value in before.items():
@@ -141,8 +144,8 @@ if sys.argv[2] == "hide":
     sys.modules["filelock"] = None  # an install without it: importing it fails
 warnings.simplefilter("error")  # jax warns, and goes on, where it cannot use an entry
 import jax, jax.numpy as jnp
-from flaxformer_lite import main
-main._keep_compiled_programs(sys.argv[1])
+from flaxformer_lite.workdir import compile_cache
+compile_cache.keep_compiled_programs(sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this tiny program too
 f = lambda x: jnp.sin(x) @ x.T
 for _ in range(2):
@@ -162,7 +165,7 @@ def test_the_compilation_cache_writes_and_reads_its_entries(tmp_path, filelock):
 
     requires = importlib.metadata.requires("flaxformer_lite") or []
     assert any(r.split(";")[0].startswith("filelock") for r in requires), requires
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     folder = tmp_path / "xla"
     out = subprocess.run(
         [sys.executable, "-c", CACHE_ROUND_TRIP, str(folder), filelock],
@@ -172,3 +175,61 @@ def test_the_compilation_cache_writes_and_reads_its_entries(tmp_path, filelock):
     assert "ENTRIES 0" not in out.stdout, out.stdout
     limit = "-1" if filelock == "hide" else str(2 << 30)
     assert f"LIMIT {limit}" in out.stdout, out.stdout
+
+
+# One of two processes side by side: main's cache settings on the folder the user chose
+# (JAX_COMPILATION_CACHE_DIR, as the suite and a sweep's runs may), then the same 12
+# programs as the other process, each entry written in two halves 20 ms apart, so that
+# a reader that does not wait for the writer finds half an entry.
+CACHE_SIDE_BY_SIDE = """
+import os, pathlib, sys, time
+import jax, jax.numpy as jnp
+from jax._src import path as jax_path
+from flaxformer_lite.workdir import compile_cache
+
+def slow_write(self, data):
+    with open(self, "wb") as f:
+        half = len(data) // 2
+        f.write(data[:half]); f.flush(); time.sleep(0.02); f.write(data[half:])
+
+type(jax_path.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])).write_bytes = slow_write
+compile_cache.keep_compiled_programs("~/.cache/flaxformer_lite/xla")  # main's default
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+hits = []
+jax.monitoring.register_event_listener(
+    lambda name, **_: hits.append(name) if name.endswith("cache_hits") else None)
+ready = pathlib.Path(sys.argv[1])
+(ready / sys.argv[2]).touch()
+while len(list(ready.iterdir())) < 2:  # start together
+    time.sleep(0.01)
+for n in range(1, 13):
+    jax.jit(lambda x, n=n: jnp.sin(x) * n + jnp.cos(x) @ x)(jnp.ones((n, n))).block_until_ready()
+print("HITS", len(hits))
+"""
+
+
+def test_two_processes_share_the_compilation_cache_without_a_torn_entry(tmp_path):
+    """jax writes an entry in place and locks the folder only when it has a size limit:
+    two processes compiling the same programs into one folder at once read each other's
+    half-written entries ("Error reading persistent compilation cache entry ...
+    truncated stream") unless every process sets one (compile_cache.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "xla")
+    (tmp_path / "ready").mkdir()
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CACHE_SIDE_BY_SIDE, str(tmp_path / "ready"), name],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for name in ("a", "b")
+    ]
+    outs = [run.communicate(timeout=300) for run in runs]
+    for run, (_, err) in zip(runs, outs, strict=True):
+        assert run.returncode == 0, err[-2000:]
+        assert "Error reading persistent compilation cache" not in err, err[-2000:]
+    hits = sum(int(out.split("HITS")[1]) for out, _ in outs)
+    assert hits > 0, outs  # they did share entries
