@@ -35,7 +35,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 # The libraries that load an export or make the models an import reads (transformers,
 # CTranslate2 and a CPU build of torch: the 'export' extra), for their parity tests;
-# and Weights & Biases (the 'wandb' extra), whose offline mode the tracker test uses.
+# Weights & Biases (the 'wandb' extra), whose offline mode the tracker test uses; and
+# papermill with a kernel (the 'notebook' extra), which runs the notebook as batch jobs do.
 # torch's CPU build is not on PyPI (PyPI's Linux torch is a CUDA build of several GB):
 # it comes from a local wheel folder where pip is given one, else from PyTorch's CPU
 # index; where neither answers, those tests are skipped, and nothing else changes.
@@ -48,8 +49,8 @@ $(EXTRAS): $(STAMP)
 	  $(BIN)/python -m pip install -q '$(TORCH_CPU)' 2>/dev/null || \
 	  $(BIN)/python -m pip install -q '$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX) || true
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then \
-	  $(BIN)/python -m pip install -q -e '.[dev,export,wandb]'; else \
-	  $(BIN)/python -m pip install -q -e '.[dev,wandb]'; \
+	  $(BIN)/python -m pip install -q -e '.[dev,export,wandb,notebook]'; else \
+	  $(BIN)/python -m pip install -q -e '.[dev,wandb,notebook]'; \
 	  echo "no CPU build of torch could be installed: the export/import parity tests will be skipped"; fi
 	@touch $(EXTRAS)
 
