@@ -48,8 +48,6 @@ if __name__ == "__main__":
     _preemption.install_at_start()
 
 import dataclasses
-import errno
-import logging as std_logging
 import os
 import re
 import sys
@@ -327,7 +325,9 @@ def main(argv: list[str]) -> None:
     if not any(a.startswith(("--verbosity", "-v=")) for a in sys.argv):
         logging.set_verbosity(logging.ERROR)  # orbax/absl INFO and WARNING lines are noise here
     if not _DEBUG.value:  # orbax logs each error it raises, with its traceback; we report it
-        logging.get_absl_logger().addFilter(_NotFromOrbax())
+        from flaxformer_lite.workdir.failures import NotFromOrbax
+
+        logging.get_absl_logger().addFilter(NotFromOrbax())
     name = argv[1] if len(argv) > 1 else "train"
     if name != "train":  # the others keep the default signal handling
         from flaxformer_lite.training import preemption
@@ -358,7 +358,9 @@ def main(argv: list[str]) -> None:
             sys.stdout.flush()
             os._exit(1)  # not sys.exit: JAX's shutdown at exit would wait for the lost peer
         if isinstance(e, OSError) and e.strerror:
-            _fail(_os_error(e))
+            from flaxformer_lite.workdir.failures import os_error_line
+
+            _fail(os_error_line(e))
         _fail(str(e))
     except Exception as e:
         if _DEBUG.value:
@@ -370,52 +372,18 @@ def main(argv: list[str]) -> None:
         )
 
 
-def _os_error(e: OSError) -> str:
-    """``cannot write PATH (No space left on device); ...`` with what to do."""
-    where = f" {e.filename}" if e.filename else ""
-    text = f"{e.strerror}:{where}"
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
-        text += (
-            "; free space or choose a writable location, then rerun the same command "
-            "(training resumes from its newest checkpoint)"
-        )
-    return text
-
-
-class _NotFromOrbax(std_logging.Filter):
-    def filter(self, record: std_logging.LogRecord) -> bool:
-        return f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
 def _sweep() -> None:
-    import jax
-
-    from flaxformer_lite.sweep import runner as sweep
-    from flaxformer_lite.sweep.spec import Sweep, parse_axis
-
-    # This process only validates, counts parameters and tabulates: it stays on the CPU
-    # so that the runs it starts (in their own processes) get the accelerators.
-    jax.config.update("jax_platforms", "cpu")
-
     if _CONFIG.value is None:
         _fail("--config is required, e.g. --config=configs/ende_small.py:debug")
+    from flaxformer_lite.sweep.runner import sweep_main
+
     config_flag = flags.FLAGS["config"]
-    spec = Sweep(
-        config=config_flags.get_config_filename(config_flag),
-        axes=tuple(parse_axis(a) for a in _SWEEP.value),
-        seeds=_SEEDS.value,
-        overrides=dict(config_flags.get_override_values(config_flag)),
-        split=_SPLIT.value,
-        limit=_LIMIT.value,
+    sweep_main(
+        config_flags.get_config_filename(config_flag), _SWEEP.value, _SEEDS.value,
+        dict(config_flags.get_override_values(config_flag)), _WORKDIR.value,
+        split=_SPLIT.value, limit=_LIMIT.value, parallel=_PARALLEL.value,
         decode_flags=tuple(f"--{k}={v}" for k, v in _decode_options().items() if v is not None),
-    )
-    rows = sweep.run_sweep(spec, _WORKDIR.value, parallel=_PARALLEL.value)
-    failed = [r["run"] for r in rows if r.get("status") != "ok"]
-    print(f"results: {_WORKDIR.value}/{sweep.RESULTS_MD}, {_WORKDIR.value}/{sweep.RESULTS_JSONL}")
-    if failed:
-        _fail(
-            f"{len(failed)} of {len(rows)} runs failed: {', '.join(failed)} (see their train.log)"
-        )
+    )  # fmt: skip
 
 
 def _from_config_flags(error: BaseException) -> bool:
@@ -447,41 +415,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
         if isinstance(e, OSError):  # the config file could not be loaded
             _fail(f"--config: {e}")
         text = str(e.args[0]) if e.args else str(e)
+        from flaxformer_lite.config.files import unknown_field
+
         field = re.search(r"[A-Za-z_]\w*", text)
-        _fail(_unknown_field(field.group(0) if field else text, argv))
-
-
-def _unknown_field(name: str, argv: list[str]) -> str:
-    """``unknown config field 'model.dropout_rate'`` with the section's fields that share
-    a word with it (``*_dropout``), or else the closest names."""
-    import difflib
-
-    from flaxformer_lite.config.experiment import SECTIONS
-    from flaxformer_lite.config.model import ModelConfig
-
-    paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
-    given = next((p for p in paths if name in p.split(".")), name)
-    section = given.partition(".")[0] if "." in given else ""
-    kinds = {"model": ModelConfig, **SECTIONS}
-    if section == name or section not in kinds:  # the section itself is unknown
-        close = difflib.get_close_matches(section or name, list(kinds), n=1)
-        return (
-            f"unknown config section {section or name!r} in {given!r}"
-            + (f" (did you mean {close[0]!r}?)" if close else "")
-            + f"; sections are {', '.join(kinds)} (`python -m flaxformer_lite.main fields`)"
-        )
-    known = [f.name for f in dataclasses.fields(kinds[section])] if section in kinds else []
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)  # a typo
-    words = {w for w in name.split("_") if len(w) > 2}
-    alike = [k for k in known if words & set(k.split("_"))]  # another word for one field
-    alike = alike or difflib.get_close_matches(name, known, n=3)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    if alike and not close:
-        hint = f"; {section}'s fields like it: {', '.join(alike)}"
-    return (
-        f"unknown config field {given!r}{hint} "
-        "(`python -m flaxformer_lite.main fields` lists every field)"
-    )
+        paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
+        _fail(unknown_field(field.group(0) if field else text, paths))
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")

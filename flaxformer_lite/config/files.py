@@ -10,6 +10,8 @@ fields (``--config.train.batch_size=32``), scripts and notebooks use
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
 from pathlib import Path
 
@@ -114,3 +116,31 @@ def load_config(
             raise ConfigError(f"config.{key}={value!r} has the wrong type ({e})") from None
     ExperimentConfig.from_config(config)
     return config
+
+
+def unknown_field(name: str, paths: list[str]) -> str:
+    """``unknown config field 'model.dropout_rate'`` with the section's fields that share
+    a word with it (``*_dropout``), or else the closest names; ``paths`` the overrides
+    given (``model.dropout_rate``), to find the one that holds ``name``."""
+    given = next((p for p in paths if name in p.split(".")), name)
+    section = given.partition(".")[0] if "." in given else ""
+    kinds = {"model": ModelConfig, **SECTIONS}
+    if section == name or section not in kinds:  # the section itself is unknown
+        close = difflib.get_close_matches(section or name, list(kinds), n=1)
+        return (
+            f"unknown config section {section or name!r} in {given!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; sections are {', '.join(kinds)} (`python -m flaxformer_lite.main fields`)"
+        )
+    known = [f.name for f in dataclasses.fields(kinds[section])] if section in kinds else []
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)  # a typo
+    words = {w for w in name.split("_") if len(w) > 2}
+    alike = [k for k in known if words & set(k.split("_"))]  # another word for one field
+    alike = alike or difflib.get_close_matches(name, known, n=3)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if alike and not close:
+        hint = f"; {section}'s fields like it: {', '.join(alike)}"
+    return (
+        f"unknown config field {given!r}{hint} "
+        "(`python -m flaxformer_lite.main fields` lists every field)"
+    )

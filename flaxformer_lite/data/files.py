@@ -118,9 +118,8 @@ def _tsv_source(path: Path, features: Sequence[str]) -> Source:
         )
     else:
         source = Source("tsv", (str(path),), tuple(range(len(features))))
-        how = (
-            f"by position: no header names {' and '.join(features)}; "
-            + ", ".join(f"column {c + 1} = {f}" for c, f in enumerate(features))
+        how = f"by position: no header names {' and '.join(features)}; " + ", ".join(
+            f"column {c + 1} = {f}" for c, f in enumerate(features)
         )
     if (str(path), source.columns) not in _TOLD:
         _TOLD.add((str(path), source.columns))

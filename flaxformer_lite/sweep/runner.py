@@ -57,7 +57,7 @@ from flaxformer_lite.data.builders import LOCAL_BUILDERS, build_local_dataset
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.sweep.record import RESULTS_JSONL, SPEC_FILE
 from flaxformer_lite.sweep.report import METRICS, summarize
-from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError
+from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError, parse_axis
 from flaxformer_lite.training.flops import train_step_flops
 
 RESULT_FILE = "sweep_result.json"  # in a run's folder: the run is finished
@@ -244,6 +244,29 @@ def _hparams(workdir: Path, sweep: Sweep, spec: RunSpec, row: dict[str, Any]) ->
 
 def _tb_value(value: Any) -> Any:
     return value if isinstance(value, int | float | str | bool) else str(value)
+
+
+def sweep_main(
+    config: str, axes: list[str], seeds: int, overrides: dict, workdir: str, *,
+    split: str, limit: int, parallel: int, decode_flags: tuple[str, ...],
+) -> None:  # fmt: skip
+    """``main sweep``: the grid of ``axes`` (``section.field=v1,v2``) over ``config`` with
+    its ``overrides``, run in ``workdir``; a SweepError names the runs that failed.
+
+    This process only validates, counts parameters and tabulates: it stays on the CPU,
+    so that the runs it starts (in their own processes) get the accelerators."""
+    jax.config.update("jax_platforms", "cpu")
+    spec = Sweep(
+        config=config, axes=tuple(parse_axis(a) for a in axes), seeds=seeds,
+        overrides=overrides, split=split, limit=limit, decode_flags=decode_flags,
+    )  # fmt: skip
+    rows = run_sweep(spec, workdir, parallel=parallel)
+    failed = [r["run"] for r in rows if r.get("status") != "ok"]
+    print(f"results: {workdir}/{RESULTS_MD}, {workdir}/{RESULTS_JSONL}")
+    if failed:
+        raise SweepError(
+            f"{len(failed)} of {len(rows)} runs failed: {', '.join(failed)} (see their train.log)"
+        )
 
 
 def run_sweep(

@@ -3,12 +3,16 @@
 A failed orbax read leaves tensorstore's reads in flight, each reporting to an event
 loop already closed: :func:`ignore_closed_loop_reports` drops those reports (and only
 those); :func:`unreadable` names the checkpoint and the first line of the cause;
-:func:`disk_error` tells a full or read-only disk from other failures.
+:func:`disk_error` tells a full or read-only disk from other failures; the command
+line's one-line report of an ``OSError`` (:func:`os_error_line`) and its filter of
+orbax's error logs (:class:`NotFromOrbax`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sys
 import warnings
 
@@ -76,3 +80,23 @@ def unreadable(workdir, kind: str, step: int, error: BaseException) -> Checkpoin
         f"the {kind} checkpoint of step {step} in {workdir} cannot be read "
         f"({type(error).__name__}: {cause})"
     )
+
+
+def os_error_line(e: OSError) -> str:
+    """``No space left on device: PATH; ...`` with what to do."""
+    where = f" {e.filename}" if e.filename else ""
+    text = f"{e.strerror}:{where}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+        text += (
+            "; free space or choose a writable location, then rerun the same command "
+            "(training resumes from its newest checkpoint)"
+        )
+    return text
+
+
+class NotFromOrbax(logging.Filter):
+    """orbax logs each error it raises, with its traceback; the command line reports the
+    error itself, in one line (``--debug`` keeps orbax's logs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}orbax{os.sep}" not in record.pathname
