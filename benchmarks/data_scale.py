@@ -95,6 +95,7 @@ def _config(corpus: Path, data_dir: Path, tokenizer_sentences: int = 0):
     }
     if tokenizer_sentences:
         overrides["data.tokenizer_max_sentences"] = tokenizer_sentences
+        overrides["data.tokenizer_max_characters"] = 0  # the sentences alone bound it
     return load_config(str(ROOT / "configs" / "paper_base.py"), None, overrides)
 
 
@@ -249,11 +250,18 @@ def report() -> None:
     lines += [""] + [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
     lines += [
         "",
-        "Peak RSS of a first start is sentencepiece learning the 37k vocabulary from "
-        "`data.tokenizer_max_sentences` sentences (1M unless the row says otherwise): "
-        "bounded by that setting, not by the corpus; alone, on this corpus, sentencepiece "
-        "peaks at 0.79 / 1.54 / 3.06 GiB for 250k / 500k / 1M sentences (12 / 22 / 44 s). "
-        "`data.tokenizer=PATH` skips it. A restart's peak includes the memory-mapped token "
+        "A first start's peak was two things, each bounded now. TFDS's build wrote the "
+        "split in key order through 1,000 buckets on disk chosen by the key's place in "
+        "[0, 2^128), each sorted in memory; keys 0..n-1 all fell into the first bucket, so "
+        "the whole train split was sorted in memory at once (2.40 GiB at 4.5M pairs, the "
+        "peak of the rows before `bucketed build`); spread keys give a bucket a thousandth "
+        "(0.63 GiB for the whole build). And sentencepiece learning the 37k vocabulary "
+        "holds ~20 bytes per character it learns from: alone, on this corpus, 0.79 / 1.54 "
+        "/ 3.06 GiB for 250k / 500k / 1M sentences (12 / 22 / 44 s), which "
+        "`data.tokenizer_max_characters` (50M, about 500k of these sentences) bounds "
+        "whatever the sentences' length; `data.tokenizer=PATH` skips it. What the smaller "
+        "sample costs in quality: experiments/tokenizer_sample. A restart's peak includes "
+        "the memory-mapped token "
         "ids that the 200 packed batches touched (file-backed page cache, shared by a "
         "host's processes); its private memory is the column before. The token cache's "
         "worker processes (one per core, while the ids are written) are not in these "

@@ -8,7 +8,7 @@ import pytest
 
 from flaxformer_lite.config.experiment import validate_experiment
 from flaxformer_lite.config.model import ConfigError
-from flaxformer_lite.data import cooccurrence, pipeline, sources
+from flaxformer_lite.data import assembly, cooccurrence, pipeline, sources
 from flaxformer_lite.data.assembly import prepare_data
 from flaxformer_lite.data.tokenizer import UNK_ID
 from flaxformer_lite.inference.run import Run
@@ -186,3 +186,31 @@ def test_stream_rows_cut_running_text():
         config = load_config("ende_small")
         config.data.stream = True
         validate_experiment(config)
+
+
+def test_the_tokenizer_learns_from_a_bounded_sample_of_whole_pairs(monkeypatch):
+    """sentencepiece holds ~20 bytes per character it learns from: the sample is bounded
+    in sentences and in characters, a prefix of the same seeded order of whole pairs
+    (tagged as trained), read a chunk at a time."""
+    monkeypatch.setattr(assembly, "_CHUNK", 7)  # several chunks
+    rows = {"main": [(f"s{i}" * (1 + i % 3), f"t{i}") for i in range(40)],
+            "aux": [(f"p{i}", f"q{i}") for i in range(25)]}  # fmt: skip
+
+    class Split:  # a selection's reader over the rows above
+        def __init__(self, name, aux=""):
+            self.index, self.aux, self.name = np.arange(len(rows[name])), aux, name
+
+        def rows(self, positions):
+            return [rows[self.name][i] for i in self.index[positions]]
+
+    selections = [Split("main"), Split("aux", "<dict> ")]
+    everything = list(assembly.tokenizer_sentences(selections, 10_000, 2))
+    assert len(everything) == 2 * 65 and "<dict> p0" in everything and "s0" in everything
+    assert sorted(everything[0::2]) == sorted(
+        [s for s, _ in rows["main"]] + [f"<dict> p{i}" for i in range(25)]
+    )  # each pair once, its source before its target
+    by_sentences = list(assembly.tokenizer_sentences(selections, 30, 2))
+    assert by_sentences == everything[:30]
+    budget = sum(len(t) for t in everything[:20]) + 1  # 10 pairs and a character
+    by_characters = list(assembly.tokenizer_sentences(selections, 10_000, 2, budget))
+    assert by_characters == everything[:20]  # whole pairs: the 11th does not fit

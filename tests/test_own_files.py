@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,26 @@ def test_progress_bars_only_on_a_terminal(tmp_path, capfd, monkeypatch):
     _parallel(corpus, "train", _pairs(300, seed=1))  # other content: built again
     _load(f"files:{corpus}", "train", tmp_path / "a")
     assert "\r" in terminal.getvalue() and "examples" in terminal.getvalue()
+
+
+def test_a_large_split_is_sorted_a_bucket_at_a_time(tmp_path, monkeypatch):
+    """Past its memory buffer TFDS spills a split to 1,000 buckets chosen by the example
+    key and sorts each in memory; keys 0..n-1 put every example in the first bucket (the
+    whole split in memory: 2.4 GB at 4.5M pairs). Spread keys fill many, in file order."""
+    from tensorflow_datasets.core import shuffle
+
+    from flaxformer_lite.data import tfds_spill
+
+    monkeypatch.setattr(tfds_spill, "BUFFER_BYTES", 4096)  # spill at once
+    filled = Counter()
+    add = shuffle._Bucket.add
+    monkeypatch.setattr(
+        shuffle._Bucket, "add", lambda b, k, d: (filled.update([id(b)]), add(b, k, d))
+    )
+    corpus = tmp_path / "corpus"
+    pairs = _pairs(3000)
+    _parallel(corpus, "train", pairs)
+    _parallel(corpus, "valid", pairs[:10])
+    _parallel(corpus, "test", pairs[10:20])
+    assert _load(f"files:{corpus}", "train", tmp_path / "tfds") == pairs  # the file's order
+    assert len(filled) > 100 and max(filled.values()) <= 60, filled.most_common(3)

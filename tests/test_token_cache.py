@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 from flaxformer_lite.data import assembly, packing, pipeline, sources, token_store
 from flaxformer_lite.data.table import ExampleTable
@@ -299,6 +300,7 @@ class _Texts:
         self.n = n
 
     def __call__(self, start, stop):
+        absl_logging.warning("reading rows %d-%d", start, stop)  # as TFDS warns, opening
         return [(f"the house {i}", f"das Haus {i % 7}") for i in range(start, stop)]
 
 
@@ -321,10 +323,17 @@ def _same_store(a, b):
         np.testing.assert_array_equal(np.asarray(a.ends[k]), np.asarray(b.ends[k]))
 
 
-def test_worker_processes_write_what_one_process_writes(tmp_path, monkeypatch, small_spm):
+def test_worker_processes_write_what_one_process_writes(tmp_path, monkeypatch, small_spm, capfd):
     monkeypatch.setattr(token_store, "CHUNK", 50)  # 8 chunks over 2 workers
     serial = _store(tmp_path / "one", small_spm, workers=1)
-    parallel = _store(tmp_path / "two", small_spm, workers=2)
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # as the command line sets it
+    try:
+        parallel = _store(tmp_path / "two", small_spm, workers=2)
+    finally:
+        absl_logging.set_verbosity(verbosity)
+    # The workers keep this process's verbosity (spawned, they start at WARNING).
+    assert "reading rows" not in capfd.readouterr().err
     _same_store(serial, parallel)
     assert _ids(parallel.example(123)) == {
         "inputs": list(small_spm.encode("the house 123")),

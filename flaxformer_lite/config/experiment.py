@@ -137,9 +137,8 @@ class DataConfig(Section):
     )  # fmt: skip
     aux_tag: str = option("", "tag (<name>) starting an auxiliary pair's source; '' = none")
     reverse_tag: str = option(
-        "", "also train every pair reversed, its source starting with this tag (<name>); "
-        "'' = one direction only",
-    )  # fmt: skip
+        "", "also train every pair reversed, its source starting with this tag (<name>)"
+    )
     resample_subsets: bool = option(
         False, "an auxiliary split:N draws a fresh N of its pairs every epoch, in turn"
     )
@@ -162,8 +161,9 @@ class DataConfig(Section):
         "vocabulary shared across runs; pad/eos/bos/unk ids 0/1/2/3, at most "
         "model.vocab_size pieces); copied into the run folder ('' = train one)",
     )  # fmt: skip
-    tokenizer_max_sentences: int = option(
-        1_000_000, "sentences the sentencepiece model learns from", rule=POSITIVE
+    tokenizer_max_sentences: int = option(1_000_000, "sentences it learns from", rule=POSITIVE)
+    tokenizer_max_characters: int = option(
+        50_000_000, "and characters (sentencepiece: ~20 bytes each; 0 = any)", rule=NON_NEGATIVE
     )
     subword_alpha: float = option(
         0.0, "> 0: subword regularization, a sampled segmentation each epoch with this "

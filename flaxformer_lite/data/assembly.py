@@ -98,21 +98,37 @@ def select_splits(config: ExperimentConfig) -> tuple[list[Selection], list[tuple
     return fixed, pools
 
 
-def tokenizer_sentences(selections: list[Selection], max_sentences: int, width: int):
-    """The sentences the tokenizer learns from: up to ``max_sentences`` of the
-    selections' pairs (one direction, tagged), in a permutation seeded by 0."""
+def tokenizer_sentences(
+    selections: list[Selection], max_sentences: int, width: int, max_characters: int = 0
+):
+    """The sentences the tokenizer learns from: the selections' pairs (one direction,
+    tagged) in a permutation seeded by 0, up to ``max_sentences`` sentences and
+    ``max_characters`` characters (0: no bound; whole pairs). sentencepiece holds
+    ~20 bytes per character it learns from, so the characters bound its memory: at
+    WMT's sentence length 1M sentences took 3 GiB. Read a chunk of pairs at a time."""
     sizes = np.array([len(s.index) for s in selections], np.int64)
     ends = np.cumsum(sizes)
     order = np.random.default_rng(0).permutation(int(ends[-1]))[: max_sentences // width]
-    which = np.searchsorted(ends, order, side="right")
-    local = order - (ends - sizes)[which]
-    texts: dict[int, dict[int, tuple[str, ...]]] = {}
-    for k, selection in enumerate(selections):
-        wanted = np.unique(local[which == k])
-        view = View(prefix=selection.aux)
-        texts[k] = dict(zip(wanted.tolist(), map(view.apply, selection.rows(wanted)), strict=True))
-    for k, j in zip(which.tolist(), local.tolist(), strict=True):
-        yield from texts[k].pop(j)  # each pair once: sentencepiece keeps its own copy
+    left = max_characters or float("inf")
+    for start in range(0, len(order), _CHUNK):
+        part = order[start : start + _CHUNK]
+        which = np.searchsorted(ends, part, side="right")
+        local = part - (ends - sizes)[which]
+        texts: dict[int, dict[int, tuple[str, ...]]] = {}
+        for k, selection in enumerate(selections):
+            wanted = np.unique(local[which == k])
+            view = View(prefix=selection.aux)
+            rows = map(view.apply, selection.rows(wanted)) if wanted.size else ()
+            texts[k] = dict(zip(wanted.tolist(), rows, strict=True))
+        for k, j in zip(which.tolist(), local.tolist(), strict=True):
+            pair = texts[k].pop(j)  # each pair once: sentencepiece keeps its own copy
+            left -= sum(len(text) for text in pair)
+            if left < 0:
+                return
+            yield from pair
+
+
+_CHUNK = 100_000  # pairs read at once for the tokenizer
 
 
 def split_store(
@@ -221,7 +237,9 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
     started, trained = time.perf_counter(), not (Path(workdir) / MODEL_NAME).exists()
     tokenizer = load_or_train(
         workdir,
-        lambda: tokenizer_sentences(learn, d.tokenizer_max_sentences, len(columns)),
+        lambda: tokenizer_sentences(
+            learn, d.tokenizer_max_sentences, len(columns), d.tokenizer_max_characters
+        ),
         config.model.vocab_size,
         tags,
         d.tokenizer,

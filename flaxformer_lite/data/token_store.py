@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+from absl import logging as absl_logging
 
 from flaxformer_lite.data.tokenizer import EOS_ID, Tokenizer
 
@@ -168,8 +169,12 @@ def _encode_chunk(rows, start, stop, keys, view, tokenizer, dtype) -> list[tuple
 _WORKER: dict = {}
 
 
-def _worker_init(tokenizer_path: str) -> None:
+def _worker_init(tokenizer_path: str, verbosity: int) -> None:
+    """A worker's tokenizer, and its parent's absl verbosity: a spawned process starts
+    at WARNING, and TFDS warns of its custom builder config each time a chunk's reader
+    opens the corpus (a line per chunk that the command line had silenced)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    absl_logging.set_verbosity(verbosity)
     _WORKER["tokenizer"] = Tokenizer.load(tokenizer_path)
 
 
@@ -205,7 +210,10 @@ def _parallel_chunks(rows, spans, keys, view, tokenizer, dtype, workers):
     # spawn, not fork: the parent may hold JAX's threads
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_worker_init, initargs=(str(tokenizer.path),)
+        workers,
+        mp_context=context,
+        initializer=_worker_init,
+        initargs=(str(tokenizer.path), absl_logging.get_verbosity()),
     ) as pool:
         pending = collections.deque()
         for a, b in spans:  # at most 2 chunks a worker in flight: bounded memory
