@@ -42,11 +42,12 @@ GPU_KERNELS = {
 
 def gpu_kernel(pattern: P.Pattern) -> str:
     """The :data:`GPU_KERNELS` entry that runs ``pattern`` under ``attention_impl=cudnn``;
-    ValueError for top-k attention (its keys depend on the scores: no fused kernel)."""
-    if isinstance(pattern, P.TopK):
+    ValueError for dynamic attention (its keys depend on the content: no fused kernel)."""
+    if isinstance(pattern, P.Dynamic):
+        name = "topk" if isinstance(pattern, P.TopK) else type(pattern).__name__.lower()
         raise ValueError(
-            "topk attention's keys depend on the scores, so no fused GPU kernel computes "
-            "it; use attention_impl=blocked for that head group's model"
+            f"{name} attention's keys depend on the scores, and no fused GPU kernel "
+            "computes it yet; use attention_impl=blocked for that head group's model"
         )
     if type(pattern) is P.Full or (type(pattern) is P.Local and pattern.is_causal):
         return "cudnn"

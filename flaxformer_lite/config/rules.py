@@ -29,6 +29,7 @@ from flaxformer_lite.config.fields import ConfigError
 from flaxformer_lite.config.gpu_kernels import gpu_kernel
 from flaxformer_lite.config.mesh import MeshError, parse_mesh
 from flaxformer_lite.config.profile import profile_steps
+from flaxformer_lite.sparse.patterns import Dynamic
 from flaxformer_lite.sparse.spec import PatternSpecError, check_spec, is_dense, parse_spec
 
 # Score functions ----------------------------------------------------------------------
@@ -208,14 +209,14 @@ def _check_kernel(c: Any, layers: list | None) -> None:
                     f"(d_model={c.d_model} / num_heads={c.num_heads} unless set); change "
                     "num_heads or d_k/d_v, or use attention_impl=chunked"
                 )
-        for layer in layers or ():
-            for pattern in layer:
-                try:
-                    gpu_kernel(pattern)
-                except ValueError as e:
-                    raise ConfigError(
-                        f"model.attention_pattern={c.attention_pattern!r}: {e}"
-                    ) from None
+    for pattern in (p for layer in layers or () for p in layer):
+        try:
+            if impl == "cudnn":
+                gpu_kernel(pattern)
+            elif impl == "splash" and isinstance(pattern, Dynamic):
+                raise ValueError("its keys depend on the content; splash reads fixed masks")
+        except ValueError as e:
+            raise ConfigError(f"model.attention_pattern={c.attention_pattern!r}: {e}") from None
 
 
 # The other sections ----------------------------------------------------------------------

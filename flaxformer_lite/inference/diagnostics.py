@@ -40,6 +40,11 @@ def _pattern_mask(spec: str, q: int, k: int, causal: bool) -> np.ndarray | None:
     (pattern,) = parse_spec(spec, block_size=max(1, _spec_block(spec)))[0]
     if isinstance(pattern, P.TopK):
         return None
+    if isinstance(pattern, P.Dynamic):
+        raise ValueError(
+            f"--pattern={spec}: its blocks are routed from the model's queries and keys, "
+            "not from the weights; measure static patterns or topk:k=K"
+        )
     pattern = pattern.causal() if causal else pattern
     n = max(q, k)
     return np.asarray(pattern.mask(n))[:q, :k]

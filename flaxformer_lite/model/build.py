@@ -71,6 +71,8 @@ def _layer_kernels(c: ModelConfig, layer: int, causal: bool) -> str:
             kernel = GPU_KERNELS[gpu_kernel(pattern)]
         elif isinstance(pattern, P.TopK):
             kernel = "top-k kernel"
+        elif isinstance(pattern, P.Dynamic):
+            kernel = "routed block kernel"
         else:
             kernel = _SPARSE_KERNELS.get(c.attention_impl, c.attention_impl)
         out.append(f"{'causal ' if causal else ''}{text} -> {kernel}")

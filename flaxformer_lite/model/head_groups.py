@@ -18,11 +18,15 @@ from jax import Array
 from flaxformer_lite.config.model import ATTENTION_IMPLS
 from flaxformer_lite.model import kernels
 from flaxformer_lite.model.attention import attention_weights, dot_product_attention
+from flaxformer_lite.sparse import dynamic as D
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.band_gpu import band_attention
 from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
 from flaxformer_lite.sparse.blocked import sparse_attention
+from flaxformer_lite.sparse.nsa import init_params as nsa_zero_params
+from flaxformer_lite.sparse.nsa import nsa_attention
 from flaxformer_lite.sparse.online_softmax import segment_mask
+from flaxformer_lite.sparse.routed import moba_attention, routed_mask
 from flaxformer_lite.sparse.spec import PatternSpecError
 from flaxformer_lite.sparse.topk import topk_attention
 
@@ -41,8 +45,12 @@ def multihead_sparse_attention(
     packed: bool = False,
     scale: float | None = None,
     scan_blocks: int | None = None,
+    nsa_params: dict[int, dict] | None = None,
 ) -> Array:
     """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
+
+    Dynamic block patterns (``moba``, ``nsa``) run on the routed kernel whatever the
+    impl (the CPU path; ``nsa_params``: head group -> its gates and projections).
 
     ``impl=cudnn`` runs each group on the fused GPU kernel for its pattern
     (:func:`~flaxformer_lite.config.gpu_kernels.gpu_kernel`): cuDNN for dense, causal and
@@ -79,6 +87,20 @@ def multihead_sparse_attention(
                     q, k, v, pattern, scale=scale, segments=segments, interpret=interpret
                 )
             outs.append(out)
+        elif isinstance(pattern, D.MoBA):
+            outs.append(
+                moba_attention(
+                    q, k, v, pattern.k, block=pattern.block, causal=pattern.is_causal,
+                    segments=segments, scale=scale,
+                )
+            )  # fmt: skip
+        elif isinstance(pattern, D.NSA):
+            outs.append(
+                nsa_attention(
+                    q, k, v, nsa_params[g], pattern.k, pattern.window, block=pattern.block,
+                    causal=pattern.is_causal, segments=segments, scale=scale,
+                )
+            )  # fmt: skip
         elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
             outs.append(
                 topk_attention(
@@ -144,15 +166,21 @@ def dense_scores(
     *,
     segments: Array | None = None,
     scale: float | None = None,
+    nsa_params: dict[int, dict] | None = None,
 ) -> tuple[Array, Array]:
-    """(``[b, h, n, n]`` scores, the mask the head groups' patterns allow)."""
+    """(``[b, h, n, n]`` scores, the mask the head groups' patterns allow; for ``moba``
+    the blocks it routed to, for ``nsa`` its selected blocks and window)."""
     n, h, d = query.shape[1], query.shape[2], query.shape[-1]
     per = h // len(patterns)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) * scale
     masks = []
     for g, p in enumerate(patterns):
-        if isinstance(p, P.TopK):  # the keys scoring at least the k-th best
+        if isinstance(p, D.MoBA | D.NSA):
+            sl = slice(g * per, (g + 1) * per)
+            params = (nsa_params or {}).get(g)
+            masks.append(_routed_mask(query[:, :, sl], key[:, :, sl], p, segments, params))
+        elif isinstance(p, P.TopK):  # the keys scoring at least the k-th best
             allowed = jnp.tril(jnp.ones((n, n), bool)) if p.is_causal else jnp.ones((n, n), bool)
             group = jnp.where(allowed, scores[:, g * per : (g + 1) * per], -jnp.inf)
             kth = jax.lax.top_k(group, min(p.k, n))[0][..., -1:]
@@ -167,12 +195,31 @@ def dense_scores(
     return scores, mask
 
 
+def _routed_mask(query: Array, key: Array, p: P.Pattern, segments, params) -> Array:
+    """``[b, h, n, n]``: the pairs a ``moba`` head group reads (``nsa``: its selected
+    blocks and its window; the compressed branch reads pooled blocks, not keys)."""
+    n, kw = query.shape[1], dict(block=p.block, causal=p.is_causal, segments=segments)
+    if isinstance(p, D.NSA):
+        h, d = query.shape[2], key.shape[-1]
+        params = dict(params or nsa_zero_params(h, d, d))  # only the keys route: values
+        params["compress_v"] = jnp.broadcast_to(jnp.eye(d, dtype=key.dtype), (h, d, d))
+        routing = nsa_attention(query, key, key, params, p.k, p.window, parts=True, **kw)[3]
+    else:
+        routing = moba_attention(query, key, key, p.k, routing_only=True, **kw)
+    mask = routed_mask(routing, p.block, n, p.is_causal, segments)
+    if isinstance(p, D.NSA):
+        local = P.Local(p.window).causal() if p.is_causal else P.Local(p.window)
+        mask = mask | jnp.asarray(local.mask(n))[None, None]
+    return mask
+
+
 def decode_mask(patterns: list[P.Pattern], q_pos: Array, k_pos: Array, n: int) -> Array:
     """``[1, h_groups->h, q, k]`` mask of the patterns for cached decoding steps."""
-    if any(isinstance(p, P.TopK) for p in patterns):
+    if any(isinstance(p, P.Dynamic) for p in patterns):
         raise PatternSpecError(
-            "cached decoding is not implemented for topk attention: its keys depend on "
-            "the scores; evaluate perplexity, or train with a static pattern to generate"
+            "cached decoding is not implemented for dynamic attention (topk, moba, nsa): "
+            "its keys depend on the scores; evaluate perplexity, or train with a static "
+            "pattern to generate"
         )
     masks = [p.allows(q_pos[:, None], k_pos[None, :], n) for p in patterns]
     return jnp.stack(masks)[None]  # [1, groups, q, k]; the caller repeats per head

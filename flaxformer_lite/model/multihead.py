@@ -37,6 +37,7 @@ from flaxformer_lite.model.dropout import make_rng
 from flaxformer_lite.model.embedding import default_positions, rotate
 from flaxformer_lite.model.masks import SegmentIds, combine_masks, make_causal_mask
 from flaxformer_lite.sparse import spec
+from flaxformer_lite.sparse.dynamic import NSA
 
 
 def projection_init() -> nn.initializers.Initializer:
@@ -179,15 +180,16 @@ class MultiHeadAttention(nn.Module):
                     "not a dense [b, 1, q, k] array"
                 )
             segments = None if tokens is None else tokens.ids
+            nsa = self._nsa_params(patterns)
             x = sparse.multihead_sparse_attention(
                 query, key, value, patterns, impl=c.attention_impl,
                 block_size=c.attention_block_size, segments=segments,
                 packed=tokens is not None and tokens.packed, scale=scale,
-                scan_blocks=c.attention_scan_blocks or None,
+                scan_blocks=c.attention_scan_blocks or None, nsa_params=nsa,
             )  # fmt: skip
             if c.sow_attention_weights:  # for pictures: the n x n array, made only here
                 scores, allowed = sparse.dense_scores(
-                    query, key, patterns, segments=segments, scale=scale
+                    query, key, patterns, segments=segments, scale=scale, nsa_params=nsa
                 )
                 weights = attention_weights(query, key, allowed, score_fn=lambda q, k: scores)
                 self._sow(weights, scores, allowed)
@@ -217,6 +219,32 @@ class MultiHeadAttention(nn.Module):
         if not deterministic and c.attention_dropout > 0.0:
             weights = dropout_weights(weights, c.attention_dropout, make_rng(self), c.dropout_bits)
         return jnp.einsum("bhqk,bkhv->bqhv", weights, value)
+
+    def _nsa_params(self, patterns) -> dict[int, dict]:
+        """Each ``nsa`` head group's learned parts (sparse/nsa.py): the compressed
+        branch's per-head key and value projections (identity at start) and the three
+        gates' weights and biases (zero: each branch weighs 1/2 at start)."""
+        c = self.config
+        per, out = c.num_heads // len(patterns), {}
+        eye = lambda key, shape, dtype: jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
+        zeros = nn.initializers.zeros_init()
+        for g, pattern in enumerate(patterns):
+            if isinstance(pattern, NSA):
+                shapes = {
+                    "compress_k": ((per, c.head_dim_qk, c.head_dim_qk), eye),
+                    "compress_v": ((per, c.head_dim_v, c.head_dim_v), eye),
+                    "gate_w": ((per, c.head_dim_qk, 3), zeros),
+                    "gate_b": ((per, 3), zeros),
+                }
+                out[g] = {
+                    name: self.param(
+                        f"nsa{g}_{name}",
+                        P.param_init(init, P.HEADS, *(None,) * (len(shape) - 1)),
+                        shape, c.parameter_dtype,
+                    )
+                    for name, (shape, init) in shapes.items()
+                }  # fmt: skip
+        return out
 
     def _sow(self, weights: Array, scores: Array, mask: Array | None) -> None:
         """For pictures and diagnostics: the weights ``[b, h, q, k]`` and each query's

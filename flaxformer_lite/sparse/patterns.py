@@ -300,23 +300,26 @@ def _random_table(pattern: RandomBlocks, n: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK(Pattern):
-    """Each query keeps its ``k`` highest-scoring keys (Routing/learned-sparsity family).
+class Dynamic(Pattern):
+    """The patterns whose keys depend on the content (``TopK``; MoBA and NSA in
+    :mod:`~flaxformer_lite.sparse.dynamic`): no fixed rule or cover, their own kernels."""
 
-    Dynamic: which keys depends on the scores, so there is no fixed rule or cover;
-    :func:`~flaxformer_lite.sparse.topk.topk_attention` computes it (time n^2,
-    memory ``block * n``). It cannot be combined with other patterns."""
+    def _allows(self, i, j, n):
+        raise ValueError(f"{self} has no fixed mask: its keys depend on the content")
+
+    def _plans(self, n, block):
+        raise ValueError(f"{self} has no fixed cover: its own kernel computes it")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Dynamic):
+    """Each query keeps its ``k`` highest-scoring keys (Routing/learned-sparsity family):
+    :func:`~flaxformer_lite.sparse.topk.topk_attention` (time n^2, memory ``block * n``)."""
 
     k: int = 64
 
     def __post_init__(self):
         _check_positive("topk", k=self.k)
-
-    def _allows(self, i, j, n):
-        raise ValueError("top-k attention has no fixed mask: its keys depend on the scores")
-
-    def _plans(self, n, block):
-        raise ValueError("top-k attention has no fixed cover: it is computed by sparse.topk")
 
 
 @dataclasses.dataclass(frozen=True)

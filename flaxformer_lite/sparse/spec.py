@@ -37,7 +37,12 @@ Names and their keys (defaults in brackets; ``block`` defaults to
 ``longformer``     ``window`` [256], ``global`` [1] first tokens
 ``etc``            ``window`` [128], ``global`` [8] first tokens
 ``topk``           ``k`` [64]: each query's k best-scoring keys (dynamic; alone
-                   in its head group; no cached decoding)
+                   in its head group; no cached decoding; time n^2)
+``moba``           ``block``, ``k`` [3]: each query block's own key block and the
+                   k-1 whose mean key best matches its mean query (MoBA; dynamic,
+                   sub-quadratic)
+``nsa``            ``block``, ``k`` [4], ``window`` [64]: NSA's compressed,
+                   selected and sliding-window branches, gated (dynamic)
 =================  ===========================================================
 
 Examples: ``local:window=64+global:first=2``, ``sparse_strided:stride=64``,
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from flaxformer_lite.sparse import dynamic as D
 from flaxformer_lite.sparse import patterns as P
 
 _ATOMS = {
@@ -88,6 +94,11 @@ _ATOMS = {
     ),
     "etc": ({"window": 128, "global": 8}, lambda a, blk, seed: P.etc(a["window"], a["global"])),
     "topk": ({"k": 64}, lambda a, blk, seed: P.TopK(a["k"])),
+    "moba": ({"block": None, "k": 3}, lambda a, blk, seed: D.MoBA(a["block"] or blk, a["k"])),
+    "nsa": (
+        {"block": None, "k": 4, "window": 64},
+        lambda a, blk, seed: D.NSA(a["block"] or blk, a["k"], a["window"]),
+    ),
 }
 
 
@@ -165,11 +176,21 @@ def _parse_heads(text: str, block_size: int, seed: int) -> P.Pattern:
     for term in text.split("+"):
         atoms = [_parse_atom(a, block_size, seed) for a in term.split("&")]
         terms.append(atoms[0] if len(atoms) == 1 else P.Intersection(tuple(atoms)))
-        if len(atoms) > 1 and any(isinstance(a, P.TopK) for a in atoms):
-            raise PatternSpecError(f"{text!r}: topk cannot be combined with other patterns")
-    if len(terms) > 1 and any(isinstance(t, P.TopK) for t in terms):
-        raise PatternSpecError(f"{text!r}: topk cannot be combined with other patterns")
+        if len(atoms) > 1 and any(isinstance(a, P.Dynamic) for a in atoms):
+            raise PatternSpecError(
+                f"{text!r}: {_dynamic(atoms)} cannot be combined with other patterns"
+            )
+    if len(terms) > 1 and any(isinstance(t, P.Dynamic) for t in terms):
+        raise PatternSpecError(
+            f"{text!r}: {_dynamic(terms)} cannot be combined with other patterns"
+        )
     return terms[0] if len(terms) == 1 else P.Union(tuple(terms))
+
+
+def _dynamic(patterns) -> str:
+    """The spec name of the first dynamic pattern among ``patterns``."""
+    found = next(p for p in patterns if isinstance(p, P.Dynamic))
+    return {P.TopK: "topk", D.MoBA: "moba", D.NSA: "nsa"}.get(type(found), type(found).__name__)
 
 
 def is_dense(spec: str) -> bool:
@@ -215,7 +236,7 @@ def check_spec(spec: str, num_heads: int, num_layers: int, block_size: int) -> N
         for pattern in layer_patterns(
             spec, layer, num_heads, block_size=block_size, seed=0, causal=False
         ):
-            if not isinstance(pattern, P.TopK):  # (dynamic: nothing to plan)
+            if not isinstance(pattern, P.Dynamic):  # (dynamic: nothing to plan)
                 pattern.plans(2 * block_size + 1, block_size)  # surfaces bad parameters early
 
 

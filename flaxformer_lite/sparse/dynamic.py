@@ -1,0 +1,38 @@
+"""The block-routed dynamic patterns as data (their kernels: ``routed``, ``nsa``).
+
+Like :class:`~flaxformer_lite.sparse.patterns.TopK`, which keys a query reads depends on
+the content, so these have no fixed mask or cover; unlike it, they read ``k`` blocks
+per query block, not every score: sub-quadratic. They import nothing but the pattern
+base, so the config validates them without JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flaxformer_lite.sparse.patterns import Dynamic, _check_positive
+
+
+@dataclasses.dataclass(frozen=True)
+class MoBA(Dynamic):
+    """``moba:block=B,k=K``: each query block reads its own key block and the ``k - 1``
+    whose mean key best matches its mean query: :mod:`~flaxformer_lite.sparse.routed`."""
+
+    block: int = 64
+    k: int = 3
+
+    def __post_init__(self):
+        _check_positive("moba", block=self.block, k=self.k)
+
+
+@dataclasses.dataclass(frozen=True)
+class NSA(Dynamic):
+    """``nsa:block=B,k=K,window=W``: NSA's compressed, selected (``k`` blocks) and
+    sliding ``window`` branches, mixed by learned gates: :mod:`~flaxformer_lite.sparse.nsa`."""
+
+    block: int = 64
+    k: int = 4
+    window: int = 64
+
+    def __post_init__(self):
+        _check_positive("nsa", block=self.block, k=self.k, window=self.window)

@@ -1,0 +1,310 @@
+"""Dynamic block-sparse attention (``moba``, ``nsa``): the routed kernel against float64
+oracles written here (masked dense attention under the mask the routing chose; NSA's
+three branches and gates from the paper's formula), values and gradients; the limits
+that hold whatever the routing; the mutations those comparisons catch; no ``n x n``
+array in the program; and the patterns in the grammar, the config and the model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite import ModelConfig
+from flaxformer_lite.config.model import ConfigError
+from flaxformer_lite.model import head_groups
+from flaxformer_lite.model.lm import LanguageModel
+from flaxformer_lite.model.partitioning import unbox
+from flaxformer_lite.sparse import dynamic as D
+from flaxformer_lite.sparse import nsa, routed
+from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.spec import PatternSpecError, parse_spec
+from tests import oracles
+
+B, N, H, DK = 8, 45, 2, 8  # 45: the last block is partial
+SEGMENTS = np.array([[1] * 20 + [2] * 20 + [0] * 5, [1] * 45])  # packed, padded; plain
+
+
+def _inputs(dtype=jnp.float64, seed=0):
+    return oracles.random_qkvw(dtype, 2, N, H, DK, seed)
+
+
+def _dense(q, k, v, mask):
+    """Masked dense attention in float64 (``mask`` ``[b, h, n, n]``); empty rows give 0."""
+    return oracles.dense_with_mask(q, k, v, mask, jnp)
+
+
+def _grads(f, args, w):
+    return jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=tuple(range(len(args))))(*args)
+
+
+def _close(f, g, args, w, tol):
+    """Values and every gradient of ``f`` within ``tol`` of ``g``'s (max abs)."""
+    np.testing.assert_allclose(f(*args), g(*args), atol=tol, rtol=0)
+    for a, b in zip(*(jax.tree.leaves(_grads(x, args, w)) for x in (f, g)), strict=True):
+        np.testing.assert_allclose(a, b, atol=tol, rtol=0)
+
+
+# (causal, packed): two in the default run, the other two in the slow tier.
+CASES = [(False, False), (True, True)] + [
+    pytest.param(c, s, marks=pytest.mark.slow) for c, s in ((False, True), (True, False))
+]
+
+
+@pytest.mark.parametrize("causal,packed", CASES)
+def test_moba_equals_dense_attention_under_the_mask_its_routing_chose(causal, packed):
+    # float64 end to end: the same sums in another order, ~1e-15 (bound 1e-10).
+    with jax.enable_x64(True):
+        q, k, v, w = _inputs()
+        seg = jnp.asarray(SEGMENTS) if packed else None
+        for top_k in (2, 3):
+            kw = dict(block=B, causal=causal, segments=seg)
+            routing = routed.moba_attention(q, k, v, top_k, routing_only=True, **kw)
+            mask = routed.routed_mask(routing, B, N, causal, seg)
+            if causal:  # never a future key, never a future block
+                assert not np.any(np.triu(np.asarray(mask), 1))
+                assert np.all(np.asarray(routing.table) <= np.arange(6)[:, None])
+            share = float(mask.sum() / (2 * H * N * N))
+            assert 0.05 < share < (0.6 if causal else 0.8)  # sparse, and not empty
+            moba = lambda q, k, v, t=top_k, kw=kw: routed.moba_attention(q, k, v, t, **kw)
+            _close(moba, lambda q, k, v, m=mask: _dense(q, k, v, m), (q, k, v), w, 1e-10)
+
+
+def test_the_routing_is_the_gate_of_mean_queries_and_keys():
+    """MoBA's gate, recomputed plainly: block ``a`` ranks the other blocks by its mean
+    query . their mean key (causal: earlier blocks only) and keeps its own + the best."""
+    with jax.enable_x64(True):
+        q, k, _, _ = _inputs()
+        routing = routed.moba_attention(q, k, k, 3, block=B, causal=True, routing_only=True)
+        qn, kn = np.asarray(q), np.asarray(k)
+        for r in range(2):
+            for h in range(H):
+                means = lambda x, r=r, h=h: [x[r, j * B : (j + 1) * B, h].mean(0) for j in range(6)]
+                mq, mk = means(qn / np.sqrt(DK)), means(kn)
+                for a in range(6):
+                    best = sorted(range(a), key=lambda j: -mq[a] @ mk[j])[:2]
+                    got = np.asarray(routing.table[r, h, a])[np.asarray(routing.valid[r, h, a])]
+                    assert list(got) == [a, *best]
+
+
+def test_the_limits_whatever_the_routing():
+    """k = 1 is block-local attention (the own block); k >= the number of blocks is
+    dense attention, causal or not: neither depends on what the gate prefers."""
+    with jax.enable_x64(True):
+        q, k, v, w = _inputs(seed=1)
+        for causal in (False, True):
+            own = P.BlockLocal(B, 0).causal() if causal else P.BlockLocal(B, 0)
+            full = P.Full().causal() if causal else P.Full()
+            for top_k, pattern in ((1, own), (6, full), (50, full)):
+                moba = lambda q, k, v, t=top_k, c=causal: routed.moba_attention(
+                    q, k, v, t, block=B, causal=c
+                )  # fmt: skip
+                ref = lambda q, k, v, p=pattern: oracles.masked_attention(q, k, v, p)
+                _close(moba, ref, (q, k, v), w, 1e-10)
+
+
+def test_a_dropped_or_future_block_is_caught():
+    """The comparisons above fail on a kernel that loses a chosen block or reads a future
+    one: each mutation moves the output away from the oracle's."""
+    with jax.enable_x64(True):
+        q, k, v, _ = _inputs(seed=2)
+        routing = routed.moba_attention(q, k, v, 3, block=B, causal=True, routing_only=True)
+        want = _dense(q, k, v, routed.routed_mask(routing, B, N, True))
+        scaled = (q / np.sqrt(DK), k, v)
+        qs, ks, vs = (
+            jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0),) * 2 + ((0, 3), (0, 0))) for x in scaled
+        )
+
+        def run(table, valid, causal=True):
+            _, l, o = routed.routed_partial(qs, ks, vs, table, valid, B, N, causal)
+            return jnp.swapaxes((o / jnp.maximum(l, 1e-300)[..., None])[:, :, :N], 1, 2)
+
+        np.testing.assert_allclose(run(routing.table, routing.valid), want, atol=1e-10)
+        dropped = routing.valid.at[:, :, 5, 1].set(False)  # block 5 loses its best pick
+        assert np.abs(run(routing.table, dropped) - want).max() > 1e-3
+        future = routing.table.at[:, :, 2, 1].set(4)  # block 2 reads block 4...
+        assert np.abs(run(future, routing.valid, causal=False) - want).max() > 1e-3
+
+
+def _range(seg, present, r, j):
+    """(least, largest) segment id of block ``j``'s present tokens in row ``r``, or None."""
+    ids = seg[r, j * B : (j + 1) * B][present[r, j * B : (j + 1) * B]]
+    return (ids.min(), ids.max()) if ids.size else None
+
+
+def _compressed(q, k, v, params, causal, seg):
+    """NSA's compressed keys and values (projected block means of the present tokens)
+    and which a query sees: blocks ending at or before it, holding only its segment."""
+    b, n, h, d = q.shape
+    nb, i = -(-n // B), np.arange(n)
+    present = seg != 0
+    kc, vc, visible = [], [], np.zeros((b, n, nb), bool)
+    for j in range(nb):
+        sl = slice(j * B, min(n, j * B + B))
+        weight = jnp.asarray(present[:, sl], q.dtype)[:, :, None, None]
+        count = jnp.maximum(weight.sum(1), 1)
+        kc.append((k[:, sl] * weight).sum(1) / count)
+        vc.append((v[:, sl] * weight).sum(1) / count)
+        for r in range(b):
+            span = _range(seg, present, r, j)
+            if span and span[0] == span[1]:
+                visible[r, :, j] = (seg[r] == span[0]) & (((j + 1) * B - 1 <= i) | (not causal))
+    kc = jnp.einsum("bjhd,hde->bjhe", jnp.stack(kc, 1), params["compress_k"])
+    vc = jnp.einsum("bjhd,hde->bjhe", jnp.stack(vc, 1), params["compress_v"])
+    return kc, vc, visible
+
+
+def _check_selection(q, k, v, params, routing, top_k, causal, seg):
+    """The selected blocks are NSA's: the own block and the ``top_k - 1`` candidates
+    (earlier where causal, holding present keys, sharing a segment id range with the
+    query block; none for a block of padding) of the largest compressed probability
+    summed over the block."""
+    b, n, h, d = q.shape
+    nb, present = -(-n // B), seg != 0
+    kc, _, visible = _compressed(q, k, v, params, causal, seg)
+    s = np.einsum("bqhd,bjhd->bhqj", np.asarray(q), np.asarray(kc)) / np.sqrt(d)
+    s = np.where(visible[:, None], s, -np.inf)
+    p = np.exp(s - np.where(visible[:, None], s, -1e300).max(-1, keepdims=True))
+    p = np.where(visible[:, None], p / np.maximum(p.sum(-1, keepdims=True), 1e-300), 0.0)
+    p = np.pad(p * present[:, None, :, None], ((0, 0), (0, 0), (0, nb * B - n), (0, 0)))
+    importance = p.reshape(b, h, nb, B, nb).sum(3)
+    for r in range(b):
+        for hh in range(h):
+            for a in range(nb):
+                mine = _range(seg, present, r, a)
+                ok = [
+                    j for j in range(nb)
+                    if j != a and (j < a or not causal) and (there := _range(seg, present, r, j))
+                    and mine and there[0] <= mine[1] and mine[0] <= there[1]
+                ]  # fmt: skip
+                best = sorted(ok, key=lambda j: (-importance[r, hh, a, j], j))[: top_k - 1]
+                got = np.asarray(routing.table[r, hh, a])[np.asarray(routing.valid[r, hh, a])]
+                assert got[0] == a and sorted(got[1:]) == sorted(best), (r, hh, a)
+
+
+def _nsa_oracle(q, k, v, params, routing, window, causal, seg):
+    """NSA's formula in float64, each branch plainly: compressed, selected (under the
+    routing's mask), window; sigmoid gates of the head's query."""
+    n, i = q.shape[1], np.arange(q.shape[1])
+    kc, vc, visible = _compressed(q, k, v, params, causal, seg)
+    out_c = _dense(q, kc, vc, jnp.asarray(visible)[:, None])
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    near = (np.abs(i[:, None] - i[None]) <= window) & ((i[None] <= i[:, None]) | (not causal))
+    out_w = _dense(q, k, v, jnp.asarray(near[None] & same)[:, None])
+    out_s = _dense(q, k, v, routed.routed_mask(routing, B, n, causal, jnp.asarray(seg)))
+    gates = jax.nn.sigmoid(jnp.einsum("bnhd,hdc->bnhc", q, params["gate_w"]) + params["gate_b"])
+    return gates[..., :1] * out_c + gates[..., 1:2] * out_s + gates[..., 2:] * out_w
+
+
+@pytest.mark.parametrize("causal,packed", CASES)
+def test_nsa_equals_the_papers_formula(causal, packed):
+    # float64 end to end (bound 1e-10): each branch, the gated sum and the gradients of
+    # the queries, keys, values, projections and gates.
+    with jax.enable_x64(True):
+        q, k, v, w = _inputs(seed=3)
+        rng = np.random.default_rng(0)
+        params = {
+            "compress_k": jnp.asarray(rng.normal(size=(H, DK, DK))) / 3,
+            "compress_v": jnp.asarray(rng.normal(size=(H, DK, DK))) / 3,
+            "gate_w": jnp.asarray(rng.normal(size=(H, DK, 3))),
+            "gate_b": jnp.asarray(rng.normal(size=(H, 3))),
+        }
+        seg = SEGMENTS if packed else np.ones((2, N), int)
+        kw = dict(block=B, causal=causal, segments=jnp.asarray(seg) if packed else None)
+        _, branches, _, routing = nsa.nsa_attention(q, k, v, params, 3, 6, parts=True, **kw)
+        _check_selection(q, k, v, params, routing, 3, causal, seg)
+        f = lambda q, k, v, p: nsa.nsa_attention(q, k, v, p, 3, 6, **kw)
+        g = lambda q, k, v, p: _nsa_oracle(q, k, v, p, routing, 6, causal, seg)
+        _close(f, g, (q, k, v, params), w, 1e-10)
+        assert all(float(jnp.abs(x).max()) > 0.1 for x in branches.values())  # all at work
+
+
+def test_float32_kernels_within_float32_epsilon_of_float64():
+    """The kernels in float32 against the float64 oracle (1e-5: float32's epsilon times
+    the sums of a few blocks, observed ~1e-6)."""
+    q64, k64, v64, w64 = _inputs(jnp.float32)
+    with jax.enable_x64(True):
+        q, k, v, w = (jnp.asarray(x, jnp.float64) for x in (q64, k64, v64, w64))
+        routing = routed.moba_attention(q, k, v, 3, block=B, causal=True, routing_only=True)
+        mask = routed.routed_mask(routing, B, N, True)
+        want = _dense(q, k, v, mask)
+        want_grads = _grads(lambda q, k, v: _dense(q, k, v, mask), (q, k, v), w)
+    f = lambda q, k, v: routed.moba_attention(q, k, v, 3, block=B, causal=True)
+    np.testing.assert_allclose(f(q64, k64, v64), want, atol=1e-5)
+    for a, b in zip(_grads(f, (q64, k64, v64), w64), want_grads, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _largest_array(fn, *args) -> int:
+    """Elements of the largest array any equation of ``fn``'s program (forward and
+    backward, loops and custom rules included) makes."""
+    biggest = 0
+
+    def walk(jaxpr):
+        nonlocal biggest
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return biggest
+
+
+def test_no_n_by_n_array_forward_or_backward():
+    n, block = 1024, 64  # 16 blocks: k=3 reads 3/16 of the keys
+    q, k, v, _ = oracles.random_qkvw(jnp.float32, 1, n, 1, 16)
+    params = nsa.init_params(1, 16, 16)
+    for fn in (
+        lambda q, k, v: routed.moba_attention(q, k, v, 3, block=block, causal=True).sum(),
+        lambda q, k, v: nsa.nsa_attention(q, k, v, params, 3, 64, block=block, causal=True).sum(),
+    ):
+        largest = _largest_array(jax.value_and_grad(fn, argnums=(0, 1, 2)), q, k, v)
+        assert largest < n * n // 4, largest  # the routing is n * n / B, a block n * K * B
+
+
+def test_the_patterns_in_the_grammar_and_the_config():
+    ((moba,),) = parse_spec("moba:k=5", block_size=16)
+    assert moba == D.MoBA(16, 5) and moba.causal().is_causal
+    ((nsa_p,),) = parse_spec("nsa:block=8,k=2,window=32")
+    assert nsa_p == D.NSA(8, 2, 32)
+    for bad, words in (("moba+local:window=4", "moba cannot be combined"),
+                       ("moba:k=0", "k=0"), ("nsa:windows=3", "bad argument")):  # fmt: skip
+        with pytest.raises(PatternSpecError, match=words):
+            parse_spec(bad)
+    base = dict(vocab_size=24, d_model=16, num_heads=2, d_ff=32, max_len=32,
+                attention_block_size=4, attention_dropout=0.0)  # fmt: skip
+    ModelConfig(**base, attention_pattern="moba:k=2;nsa:k=2,window=4")
+    for impl, words in (("splash", "splash reads fixed masks"), ("cudnn", "no fused GPU")):
+        with pytest.raises(ConfigError, match=words):
+            ModelConfig(**base, attention_pattern="moba", attention_impl=impl)
+
+
+def test_a_language_model_trains_on_them_and_sows_their_weights():
+    moba, nsa_spec = "moba:block=4,k=2", "nsa:block=4,k=2,window=3"
+    config = ModelConfig(
+        vocab_size=24, d_model=24, num_heads=3, d_ff=32, num_decoder_layers=1, max_len=32,
+        attention_pattern=f"{moba};{nsa_spec};local:window=2", attention_block_size=4,
+        attention_dropout=0.0, sow_attention_weights=True,
+    )  # fmt: skip
+    model = LanguageModel(config)
+    x = jnp.array([[5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 0, 0]])
+    params = unbox(model.init(jax.random.key(0), x))["params"]
+    layer = params["decoder"]["layer_0"]["self_attention"]
+    assert {"nsa1_gate_w", "nsa1_gate_b", "nsa1_compress_k", "nsa1_compress_v"} <= set(layer)
+    logits, state = model.apply({"params": params}, x, mutable=["intermediates"])
+    grads = jax.grad(lambda p: model.apply({"params": p}, x).sum())(params)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    nsa_grads = grads["decoder"]["layer_0"]["self_attention"]
+    assert all(float(jnp.abs(nsa_grads[f"nsa1_{name}"]).max()) > 0 for name in nsa.PARAMS)
+    (weights,) = state["intermediates"]["decoder"]["layer_0"]["self_attention"]["attention_weights"]
+    assert not np.any(np.triu(np.asarray(weights[0]), 1))  # causal, the routed heads too
+    np.testing.assert_allclose(np.asarray(weights[0, :, :10]).sum(-1), 1.0, rtol=1e-5)
+    # The moba head's weights lie inside the blocks its routing chose.
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 12, 1, 8)))
+    mask = head_groups.dense_scores(q, q, [parse_spec(moba)[0][0].causal()])[1]
+    routing = routed.moba_attention(q, q, q, 2, block=4, causal=True, routing_only=True)
+    np.testing.assert_array_equal(mask, routed.routed_mask(routing, 4, 12, True))
