@@ -62,28 +62,42 @@ def test_moba_equals_dense_attention_under_the_mask_its_routing_chose(causal, pa
             mask = routed.routed_mask(routing, B, N, causal, seg)
             if causal:  # never a future key, never a future block
                 assert not np.any(np.triu(np.asarray(mask), 1))
-                assert np.all(np.asarray(routing.table) <= np.arange(6)[:, None])
+                own = np.arange(48)[:, None] // B
+                assert np.all(np.where(routing.valid, routing.table < own, True))
             share = float(mask.sum() / (2 * H * N * N))
             assert 0.05 < share < (0.6 if causal else 0.8)  # sparse, and not empty
             moba = lambda q, k, v, t=top_k, kw=kw: routed.moba_attention(q, k, v, t, **kw)
             _close(moba, lambda q, k, v, m=mask: _dense(q, k, v, m), (q, k, v), w, 1e-10)
 
 
-def test_the_routing_is_the_gate_of_mean_queries_and_keys():
-    """MoBA's gate, recomputed plainly: block ``a`` ranks the other blocks by its mean
-    query . their mean key (causal: earlier blocks only) and keeps its own + the best."""
+def test_the_routing_is_the_gate_of_each_query_and_the_mean_keys():
+    """MoBA's gate, recomputed plainly: query ``t`` ranks the other blocks (causal:
+    earlier ones) by its scaled query . their mean key, and keeps the best ``k - 1``;
+    with ``block_gate=1`` (not causal) a block's mean query decides for all of it."""
     with jax.enable_x64(True):
-        q, k, _, _ = _inputs()
-        routing = routed.moba_attention(q, k, k, 3, block=B, causal=True, routing_only=True)
-        qn, kn = np.asarray(q), np.asarray(k)
-        for r in range(2):
-            for h in range(H):
-                means = lambda x, r=r, h=h: [x[r, j * B : (j + 1) * B, h].mean(0) for j in range(6)]
-                mq, mk = means(qn / np.sqrt(DK)), means(kn)
-                for a in range(6):
-                    best = sorted(range(a), key=lambda j: -mq[a] @ mk[j])[:2]
-                    got = np.asarray(routing.table[r, h, a])[np.asarray(routing.valid[r, h, a])]
-                    assert list(got) == [a, *best]
+        q, k, v, w = _inputs()
+        qn, kn = np.asarray(q) / np.sqrt(DK), np.asarray(k)
+        mean = lambda x, r, h, j: x[r, j * B : (j + 1) * B, h].mean(0)
+        for block_gate in (False, True):
+            kw = dict(block=B, causal=not block_gate, block_gate=block_gate)
+            routing = routed.moba_attention(q, k, v, 3, routing_only=True, **kw)
+            for r, h, t in ((0, 0, 44), (1, 1, 30), (0, 1, 9), (1, 0, 3)):
+                a = t // B
+                others = [j for j in range(6) if j != a and (j < a or block_gate)]
+                query = mean(qn, r, h, a) if block_gate else qn[r, t, h]
+                best = sorted(others, key=lambda j: -query @ mean(kn, r, h, j))[:2]
+                got = np.asarray(routing.table[r, h, t])[np.asarray(routing.valid[r, h, t])]
+                assert list(got) == best, (block_gate, t)
+        # The block gate computes what it chose (not causal), and refuses causality.
+        routing = routed.moba_attention(q, k, v, 3, block=B, block_gate=True, routing_only=True)
+        mask = routed.routed_mask(routing, B, N, False)
+        moba = lambda q, k, v: routed.moba_attention(q, k, v, 3, block=B, block_gate=True)
+        _close(moba, lambda q, k, v: _dense(q, k, v, mask), (q, k, v), w, 1e-10)
+        with pytest.raises(ValueError, match="not causal"):
+            routed.moba_attention(q, k, v, 3, block=B, block_gate=True, causal=True)
+        with pytest.raises(ConfigError, match="not causal"):
+            ModelConfig(vocab_size=24, d_model=16, num_heads=2, d_ff=32, max_len=32,
+                        attention_dropout=0.0, attention_pattern="moba:block_gate=1")  # fmt: skip
 
 
 def test_the_limits_whatever_the_routing():
@@ -119,9 +133,9 @@ def test_a_dropped_or_future_block_is_caught():
             return jnp.swapaxes((o / jnp.maximum(l, 1e-300)[..., None])[:, :, :N], 1, 2)
 
         np.testing.assert_allclose(run(routing.table, routing.valid), want, atol=1e-10)
-        dropped = routing.valid.at[:, :, 5, 1].set(False)  # block 5 loses its best pick
+        dropped = routing.valid.at[:, :, 40, 0].set(False)  # query 40 loses its best pick
         assert np.abs(run(routing.table, dropped) - want).max() > 1e-3
-        future = routing.table.at[:, :, 2, 1].set(4)  # block 2 reads block 4...
+        future = routing.table.at[:, :, 20, 0].set(4)  # query 20 (block 2) reads block 4...
         assert np.abs(run(future, routing.valid, causal=False) - want).max() > 1e-3
 
 
@@ -154,10 +168,9 @@ def _compressed(q, k, v, params, causal, seg):
 
 
 def _check_selection(q, k, v, params, routing, top_k, causal, seg):
-    """The selected blocks are NSA's: the own block and the ``top_k - 1`` candidates
-    (earlier where causal, holding present keys, sharing a segment id range with the
-    query block; none for a block of padding) of the largest compressed probability
-    summed over the block."""
+    """The selected blocks are NSA's: each query's ``top_k - 1`` candidates (another
+    block, earlier where causal, holding present keys whose segment ids span the query's;
+    none for padding) of the largest compressed attention probability."""
     b, n, h, d = q.shape
     nb, present = -(-n // B), seg != 0
     kc, _, visible = _compressed(q, k, v, params, causal, seg)
@@ -165,20 +178,18 @@ def _check_selection(q, k, v, params, routing, top_k, causal, seg):
     s = np.where(visible[:, None], s, -np.inf)
     p = np.exp(s - np.where(visible[:, None], s, -1e300).max(-1, keepdims=True))
     p = np.where(visible[:, None], p / np.maximum(p.sum(-1, keepdims=True), 1e-300), 0.0)
-    p = np.pad(p * present[:, None, :, None], ((0, 0), (0, 0), (0, nb * B - n), (0, 0)))
-    importance = p.reshape(b, h, nb, B, nb).sum(3)
     for r in range(b):
         for hh in range(h):
-            for a in range(nb):
-                mine = _range(seg, present, r, a)
+            for t in range(n):
+                a = t // B
                 ok = [
                     j for j in range(nb)
-                    if j != a and (j < a or not causal) and (there := _range(seg, present, r, j))
-                    and mine and there[0] <= mine[1] and mine[0] <= there[1]
+                    if present[r, t] and j != a and (j < a or not causal)
+                    and (span := _range(seg, present, r, j)) and span[0] <= seg[r, t] <= span[1]
                 ]  # fmt: skip
-                best = sorted(ok, key=lambda j: (-importance[r, hh, a, j], j))[: top_k - 1]
-                got = np.asarray(routing.table[r, hh, a])[np.asarray(routing.valid[r, hh, a])]
-                assert got[0] == a and sorted(got[1:]) == sorted(best), (r, hh, a)
+                best = sorted(ok, key=lambda j: (-p[r, hh, t, j], j))[: top_k - 1]
+                got = np.asarray(routing.table[r, hh, t])[np.asarray(routing.valid[r, hh, t])]
+                assert sorted(got) == sorted(best), (r, hh, t)
 
 
 def _nsa_oracle(q, k, v, params, routing, window, causal, seg):
@@ -255,15 +266,17 @@ def _largest_array(fn, *args) -> int:
 
 
 def test_no_n_by_n_array_forward_or_backward():
-    n, block = 1024, 64  # 16 blocks: k=3 reads 3/16 of the keys
-    q, k, v, _ = oracles.random_qkvw(jnp.float32, 1, n, 1, 16)
-    params = nsa.init_params(1, 16, 16)
+    # Head size 2, so that an array's element count is its pairs' (keys gathered per
+    # query are pairs too): the routing is n * n / B, a group's scores 2B x kB.
+    n, block, d = 1024, 64, 2
+    q, k, v, _ = oracles.random_qkvw(jnp.float32, 1, n, 1, d)
+    params = nsa.init_params(1, d, d)
     for fn in (
         lambda q, k, v: routed.moba_attention(q, k, v, 3, block=block, causal=True).sum(),
         lambda q, k, v: nsa.nsa_attention(q, k, v, params, 3, 64, block=block, causal=True).sum(),
     ):
         largest = _largest_array(jax.value_and_grad(fn, argnums=(0, 1, 2)), q, k, v)
-        assert largest < n * n // 4, largest  # the routing is n * n / B, a block n * K * B
+        assert largest <= n * n // 16, largest  # dense's n x n would be 16x this
 
 
 def test_the_patterns_in_the_grammar_and_the_config():
@@ -283,6 +296,7 @@ def test_the_patterns_in_the_grammar_and_the_config():
             ModelConfig(**base, attention_pattern="moba", attention_impl=impl)
 
 
+@pytest.mark.slow  # ~10 s; the cached-decoding test runs the same model in the default run
 def test_a_language_model_trains_on_them_and_sows_their_weights():
     moba, nsa_spec = "moba:block=4,k=2", "nsa:block=4,k=2,window=3"
     config = ModelConfig(
@@ -308,3 +322,48 @@ def test_a_language_model_trains_on_them_and_sows_their_weights():
     mask = head_groups.dense_scores(q, q, [parse_spec(moba)[0][0].causal()])[1]
     routing = routed.moba_attention(q, q, q, 2, block=4, causal=True, routing_only=True)
     np.testing.assert_array_equal(mask, routed.routed_mask(routing, 4, 12, True))
+
+
+_DECODING = dict(
+    vocab_size=40, d_model=24, num_heads=3, d_ff=32, num_encoder_layers=1, num_decoder_layers=2,
+    max_len=32, attention_block_size=4, attention_dropout=0.0, embedding_dropout=0.0,
+    residual_dropout=0.0, dtype="float64", param_dtype="float64",
+    attention_pattern="moba:block=4,k=2;nsa:block=4,k=2,window=3;moba:block=4,k=3",
+)  # fmt: skip
+
+
+def test_cached_decoding_routes_over_the_cache_as_the_full_forward():
+    """A step routes its query over the cached blocks (the complete earlier ones, by
+    query . mean key; NSA by its compressed probabilities) and equals the full forward:
+    a language model fed a 5-token prompt, then a token at a time (float64: the same
+    choices, sums in another order; 1e-10)."""
+    with jax.enable_x64(True):
+        config = ModelConfig(**_DECODING)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(3, 40, (2, 15)))
+        lm = LanguageModel(config)
+        params = jax.tree.map(lambda x: 2 * x, unbox(lm.init(jax.random.key(1), tokens)))
+        full = lm.apply(params, tokens)
+        cache = unbox(lm.init(jax.random.key(1), tokens, decode=True))["cache"]
+        inputs = jnp.pad(tokens[:, :-1], ((0, 0), (1, 0)), constant_values=config.bos_id)
+        step = jax.jit(lambda cache, x: lm.apply({**params, "cache": cache}, x, decode=True,
+                                                 mutable=["cache"]))  # fmt: skip
+        outs = []
+        for lo, hi in [(0, 5)] + [(t, t + 1) for t in range(5, 15)]:
+            out, mutated = step(cache, inputs[:, lo:hi])
+            cache = mutated["cache"]
+            outs.append(out)
+        np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_translation_decoder_decodes_them_as_its_full_forward():
+    from flaxformer_lite import Transformer
+    from tests.test_transformer import _cached_decode
+
+    with jax.enable_x64(True):
+        tokens = jnp.asarray(np.random.default_rng(1).integers(3, 40, (2, 15)))
+        model = Transformer(ModelConfig(**_DECODING))
+        src, tgt = tokens[:, :12], tokens[:, 3:14]
+        params = unbox(model.init(jax.random.key(2), src, tgt))["params"]
+        full = model.apply({"params": params}, src, tgt)
+        np.testing.assert_allclose(_cached_decode(model, params, src, tgt), full, atol=1e-10)

@@ -388,7 +388,7 @@ def test_topk_in_the_model_is_the_kernel_and_sows_its_weights(rng):
     assert int((weights[:, :2] > 0).sum(-1).max()) == 3  # three keys per query
     np.testing.assert_allclose(jnp.einsum("bhqk,bkhd->bqhd", weights, v), out, rtol=1e-5, atol=1e-5)
     with pytest.raises(spec.PatternSpecError, match="cached decoding"):
-        sparse.decode_mask(patterns, jnp.arange(1), jnp.arange(12), 12)
+        sparse.decode_mask(patterns, 4, jnp.arange(1), jnp.arange(12), 12)
     with pytest.raises(ConfigError, match="topk cannot be combined"):
         _model_config(attention_pattern="topk:k=3+local:window=2")
 

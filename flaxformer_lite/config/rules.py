@@ -125,8 +125,8 @@ def check_model(c: Any) -> None:
     if layers is not None:
         try:  # the pattern against the model: head groups, block sizes
             check_spec(
-                c.attention_pattern, c.num_heads,
-                max(c.num_encoder_layers, c.num_decoder_layers), c.attention_block_size,
+                c.attention_pattern, c.num_heads, max(c.num_encoder_layers, c.num_decoder_layers),
+                c.attention_block_size, c.num_decoder_layers,
             )  # fmt: skip
         except PatternSpecError as e:
             raise ConfigError(_pattern_message(c, e)) from None

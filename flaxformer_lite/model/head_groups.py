@@ -24,9 +24,10 @@ from flaxformer_lite.sparse.band_gpu import band_attention
 from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
 from flaxformer_lite.sparse.blocked import sparse_attention
 from flaxformer_lite.sparse.nsa import init_params as nsa_zero_params
-from flaxformer_lite.sparse.nsa import nsa_attention
+from flaxformer_lite.sparse.nsa import nsa_attention, nsa_decode
 from flaxformer_lite.sparse.online_softmax import segment_mask
-from flaxformer_lite.sparse.routed import moba_attention, routed_mask
+from flaxformer_lite.sparse.routed import decode_mask as decode_routed_mask
+from flaxformer_lite.sparse.routed import decode_routing, moba_attention, routed_mask
 from flaxformer_lite.sparse.spec import PatternSpecError
 from flaxformer_lite.sparse.topk import topk_attention
 
@@ -91,7 +92,7 @@ def multihead_sparse_attention(
             outs.append(
                 moba_attention(
                     q, k, v, pattern.k, block=pattern.block, causal=pattern.is_causal,
-                    segments=segments, scale=scale,
+                    segments=segments, scale=scale, block_gate=pattern.block_gate,
                 )
             )  # fmt: skip
         elif isinstance(pattern, D.NSA):
@@ -205,7 +206,9 @@ def _routed_mask(query: Array, key: Array, p: P.Pattern, segments, params) -> Ar
         params["compress_v"] = jnp.broadcast_to(jnp.eye(d, dtype=key.dtype), (h, d, d))
         routing = nsa_attention(query, key, key, params, p.k, p.window, parts=True, **kw)[3]
     else:
-        routing = moba_attention(query, key, key, p.k, routing_only=True, **kw)
+        routing = moba_attention(
+            query, key, key, p.k, routing_only=True, block_gate=p.block_gate, **kw
+        )
     mask = routed_mask(routing, p.block, n, p.is_causal, segments)
     if isinstance(p, D.NSA):
         local = P.Local(p.window).causal() if p.is_causal else P.Local(p.window)
@@ -213,13 +216,58 @@ def _routed_mask(query: Array, key: Array, p: P.Pattern, segments, params) -> Ar
     return mask
 
 
-def decode_mask(patterns: list[P.Pattern], q_pos: Array, k_pos: Array, n: int) -> Array:
-    """``[1, h_groups->h, q, k]`` mask of the patterns for cached decoding steps."""
-    if any(isinstance(p, P.Dynamic) for p in patterns):
+def decode_mask(
+    patterns: list[P.Pattern], num_heads: int, q_pos: Array, k_pos: Array, n: int,
+    query: Array | None = None, keys: Array | None = None, scale: float | None = None,
+) -> Array:  # fmt: skip
+    """``[b or 1, h, q, k]`` mask of the head groups' patterns for cached decoding steps.
+
+    ``moba`` and ``nsa`` groups route over the cache (``query [b, q, h, d]``, ``keys [b, h,
+    L, d]``, ``k_pos`` = the cache's positions 0..L-1): each step reads the blocks its
+    query ranks first, as the full forward chose (``nsa``: its selected blocks and
+    window; :func:`nsa_decode_groups` then computes its gated branches)."""
+    per = num_heads // len(patterns)
+    if any(isinstance(p, P.TopK) for p in patterns):
         raise PatternSpecError(
-            "cached decoding is not implemented for dynamic attention (topk, moba, nsa): "
-            "its keys depend on the scores; evaluate perplexity, or train with a static "
+            "cached decoding is not implemented for topk attention: its keys depend on "
+            "the scores of every key; evaluate perplexity, or use moba/nsa or a static "
             "pattern to generate"
         )
-    masks = [p.allows(q_pos[:, None], k_pos[None, :], n) for p in patterns]
-    return jnp.stack(masks)[None]  # [1, groups, q, k]; the caller repeats per head
+    masks = []
+    for g, p in enumerate(patterns):
+        if isinstance(p, D.MoBA | D.NSA):
+            sl = slice(g * per, (g + 1) * per)
+            d = query.shape[-1]
+            q = jnp.swapaxes(query[:, :, sl], 1, 2).astype(
+                jnp.promote_types(query.dtype, jnp.float32)
+            )
+            q = q * (1.0 / math.sqrt(d) if scale is None else scale)
+            routing = decode_routing(q, keys[:, sl].astype(q.dtype), q_pos, p.block, p.k)
+            mask = decode_routed_mask(routing, q_pos, keys.shape[2], p.block)
+            if isinstance(p, D.NSA):
+                near = (q_pos[:, None] - k_pos[None, :] <= p.window) & (k_pos <= q_pos[:, None])
+                mask = mask | near
+            masks.append(mask)
+        else:
+            mask = p.allows(q_pos[:, None], k_pos[None, :], n)[None, None]
+            masks.append(jnp.broadcast_to(mask, (1, per, *mask.shape[2:])))
+    b = max(m.shape[0] for m in masks)
+    return jnp.concatenate([jnp.broadcast_to(m, (b, *m.shape[1:])) for m in masks], axis=1)
+
+
+def nsa_decode_groups(
+    out: Array, patterns: list[P.Pattern], query: Array, keys: Array, values: Array,
+    q_pos: Array, nsa_params: dict[int, dict], scale: float | None = None,
+) -> Array:  # fmt: skip
+    """``out [b, q, h, dv]`` with each ``nsa`` head group's heads replaced by its gated
+    branches over the cache (``keys``/``values`` ``[b, h, L, e]``)."""
+    per = out.shape[2] // len(patterns)
+    for g, p in enumerate(patterns):
+        if isinstance(p, D.NSA):
+            sl = slice(g * per, (g + 1) * per)
+            heads = nsa_decode(
+                query[:, :, sl], keys[:, sl], values[:, sl], nsa_params[g], q_pos, p.k,
+                p.window, block=p.block, scale=scale,
+            )  # fmt: skip
+            out = out.at[:, :, sl].set(heads.astype(out.dtype))
+    return out

@@ -134,6 +134,7 @@ class MultiHeadAttention(nn.Module):
                 causal=self.causal,
             )
         query = project_query(inputs_q)
+        stepping = False  # a cached decoding step (not the call that creates the cache)
         if self.self_attention:
             key, value = project_key(inputs_q), project_value(inputs_q)
             if c.positional == "rotary":
@@ -144,12 +145,25 @@ class MultiHeadAttention(nn.Module):
                 query, key = rotate(query, positions), rotate(key, positions)
             if decode:
                 mask = self._dense(mask)
-                key, value, mask = self._self_attention_cache(key, value, mask, patterns)
+                stepping = self.has_variable("cache", "cached_key")
+                key, value, mask = self._self_attention_cache(key, value, mask, patterns, query)
         else:
             key, value = self._cross_attention_kv(inputs_kv, decode, project_key, project_value)
         x = self._attend(
             query, key, value, mask, patterns, score, deterministic=deterministic, decode=decode
         )
+        if (
+            decode
+            and patterns is not None
+            and stepping
+            and any(isinstance(p, NSA) for p in patterns)
+        ):
+            steps = query.shape[1]  # the step's positions: the cache index before it
+            q_pos = self.get_variable("cache", "cache_index") - steps + jnp.arange(steps)
+            x = sparse.nsa_decode_groups(
+                x, patterns, query, _head_major(key), _head_major(value), q_pos,
+                self._nsa_params(patterns), scale=1.0 if c.score_fn == "dot" else None,
+            )  # fmt: skip
         return dense(c.d_model, (-2, -1), "out")(x)
 
     def _dense(self, mask: Array | SegmentIds | None) -> Array | None:
@@ -255,7 +269,7 @@ class MultiHeadAttention(nn.Module):
         self.sow("intermediates", "attention_max_logit", jnp.max(scores, axis=-1))
 
     def _self_attention_cache(
-        self, key: Array, value: Array, mask: Array | None, patterns=None
+        self, key: Array, value: Array, mask: Array | None, patterns=None, query=None
     ) -> tuple[Array, Array, Array | None]:
         window = None if patterns is None else spec.sliding_window(patterns)
         if window is not None and self.causal:
@@ -289,17 +303,22 @@ class MultiHeadAttention(nn.Module):
         k_pos = jnp.arange(cache_len)
         cache_mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
         if patterns is not None:
-            cache_mask = cache_mask & self._pattern_mask(patterns, q_pos, k_pos, cache_len)
+            cache_mask = cache_mask & self._pattern_mask(
+                patterns, q_pos, k_pos, cache_len, query, cached_key.value
+            )
         return (
             _head_major(cached_key.value),
             _head_major(cached_value.value),
             combine_masks(mask, cache_mask),
         )
 
-    def _pattern_mask(self, patterns, q_pos: Array, k_pos: Array, length: int) -> Array:
-        """``[1, h, q, k]``: each head group's pattern at these positions."""
-        groups = sparse.decode_mask(patterns, q_pos, k_pos, length)
-        return jnp.repeat(groups, self.config.num_heads // len(patterns), axis=1)
+    def _pattern_mask(self, patterns, q_pos, k_pos, length, query=None, keys=None) -> Array:
+        """``[b or 1, h, q, k]``: each head group's pattern at these positions (dynamic
+        ones route their ``query`` over the cached ``keys`` ``[b, h, L, d]``)."""
+        scale = 1.0 if self.config.score_fn == "dot" else None
+        return sparse.decode_mask(
+            patterns, self.config.num_heads, q_pos, k_pos, length, query, keys, scale
+        )
 
     def _sliding_window_cache(
         self, key: Array, value: Array, mask: Array | None, patterns, window: int

@@ -15,14 +15,21 @@ from flaxformer_lite.sparse.patterns import Dynamic, _check_positive
 
 @dataclasses.dataclass(frozen=True)
 class MoBA(Dynamic):
-    """``moba:block=B,k=K``: each query block reads its own key block and the ``k - 1``
-    whose mean key best matches its mean query: :mod:`~flaxformer_lite.sparse.routed`."""
+    """``moba:block=B,k=K``: each query reads its own key block and the ``k - 1`` whose
+    mean key best matches it (``block_gate=1``: one choice per query block, by its mean
+    query; not causal): :mod:`~flaxformer_lite.sparse.routed`."""
 
     block: int = 64
     k: int = 3
+    block_gate: bool = False
 
     def __post_init__(self):
         _check_positive("moba", block=self.block, k=self.k)
+        if self.block_gate and self.is_causal:
+            raise ValueError(
+                "block_gate=1 routes a query block by all its queries, later ones too: "
+                "not causal; use block_gate=0 where attention is causal (decoders, LMs)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

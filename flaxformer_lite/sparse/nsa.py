@@ -11,11 +11,12 @@ Three branches over the same queries, mixed by learned gates per head and query:
   paper's MLP over a block, reduced to mean pooling plus a projection); a query sees
   the compressed blocks that end at or before it (causal), of its own segment; cost
   ``n * n / B``, a query block at a time;
-- **selected**: the compressed branch's attention probabilities, summed over a query
-  block's queries, rank the key blocks; the block reads its own and the ``K - 1`` best
-  earlier ones at full resolution (:mod:`~flaxformer_lite.sparse.routed_kernel`,
-  ``n * K * B``), as MoBA does with its mean-key gate (same choices of granularity:
-  a query block, per head; :mod:`~flaxformer_lite.sparse.routed`);
+- **selected**: each query's attention probabilities over the compressed blocks rank
+  the key blocks; it reads its own block and the ``K - 1`` most probable earlier ones
+  at full resolution (:mod:`~flaxformer_lite.sparse.routed_kernel`, ``n * K * B``), as
+  MoBA does with its mean-key gate (the same choices: per query, so that causality
+  holds and cached decoding can choose the same; per head;
+  :mod:`~flaxformer_lite.sparse.routed`);
 - **window**: the last ``W`` keys (``local:window=W``, both sides without causality)
   on the blocked kernel, ``n * W``;
 - **gates**: ``g = sigmoid(q_h . w_h + b_h)``, three per head, from the head's own
@@ -39,7 +40,17 @@ from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.blocked import sparse_attention
 from flaxformer_lite.sparse.online_softmax import NEG, normalise, pad_to, partial_softmax
 from flaxformer_lite.sparse.plans import num_blocks
-from flaxformer_lite.sparse.routed import Routing, _layout, _present, candidates, choose, pooled
+from flaxformer_lite.sparse.routed import (
+    Routing,
+    _layout,
+    _present,
+    _spans,
+    decode_mask,
+    per_block,
+    pooled,
+    token_candidates,
+    top_blocks,
+)
 from flaxformer_lite.sparse.routed_kernel import routed_partial
 
 BRANCHES = ("compressed", "selected", "window")
@@ -56,46 +67,43 @@ def init_params(heads: int, d: int, dv: int) -> dict[str, Array]:
     }
 
 
-def compressed_visible(present: Array, segments: Array | None, block: int, causal: bool) -> Array:
-    """``[b, 1, N, nb]`` bool: query ``i`` sees compressed block ``j``: the block holds a
-    present key, all of the query's segment, and (causal) ends at or before ``i``."""
+def compressed_visible(present: Array, segments: Array | None, block: int, causal: bool, a):
+    """``[b, 1, B, nb]`` bool for query block ``a``'s queries: query ``i`` sees compressed
+    block ``j``: the block holds a present key, all of the query's segment, and (causal)
+    ends at or before ``i``."""
     b, N = present.shape
     nb = N // block
-    here = present.reshape(b, nb, block)
-    ok = jnp.broadcast_to(here.any(-1)[:, None, :], (b, N, nb))
+    has, lo, hi = _spans(present, segments, block)
+    i = a * block + jnp.arange(block)
+    ok = jnp.broadcast_to(has[:, None, :], (b, block, nb))
     if causal:
-        ok = ok & ((jnp.arange(nb)[None, :] + 1) * block - 1 <= jnp.arange(N)[:, None])[None]
+        ok = ok & ((jnp.arange(nb)[None, :] + 1) * block - 1 <= i[:, None])[None]
     if segments is not None:
-        seg = segments.reshape(b, nb, block)
-        lo = jnp.where(here, seg, jnp.iinfo(jnp.int32).max).min(-1)
-        hi = jnp.where(here, seg, -1).max(-1)
-        ok = ok & (lo == hi)[:, None, :] & (lo[:, None, :] == segments[:, :, None])
+        seg = lax.dynamic_slice_in_dim(segments, a * block, block, 1)[:, :, None]
+        ok = ok & (lo == hi)[:, None, :] & (lo[:, None, :] == seg)
     return ok[:, None]
 
 
-def _compressed(q, kc, vc, visible, present, block):
-    """(normalised output ``[b, h, N, dv]``, block importance ``[b, h, nb, nb]``): the
-    queries against the compressed keys a query block at a time (recomputed backward);
-    a query block's importance of key block ``j`` is its present queries' summed
-    probability of compressed block ``j``."""
-    b, h, N, d = q.shape
-    nb = N // block
+def _compressed(q, kc, vc, present, segments, block, causal, others):
+    """(normalised compressed output ``[b, h, N, dv]``, the selection :class:`Routing`):
+    the queries against the compressed keys, a query block at a time (recomputed
+    backward); each query's selection is its ``others`` most probable compressed blocks
+    among its candidates (the paper's importance, per query and head)."""
 
-    @jax.checkpoint
-    def one(args):
-        qa, vis, here = args  # [b, h, B, d], [b, 1, B, nb], [b, B]
+    def one(a, qa):  # [b, h, B, d]
+        visible = compressed_visible(present, segments, block, causal, a)
         scores = jnp.einsum("bhqd,bhjd->bhqj", qa, kc)
-        part = partial_softmax(scores, vis, lambda p: jnp.einsum("bhqj,bhjv->bhqv", p, vc))
-        probs = jnp.exp(jnp.where(vis, scores, NEG) - part.m[..., None])
+        part = partial_softmax(scores, visible, lambda p: jnp.einsum("bhqj,bhjv->bhqv", p, vc))
+        if others <= 0:
+            empty = jnp.zeros((*qa.shape[:3], 0), jnp.int32)
+            return normalise(part.o, part.l), empty, empty.astype(bool)
+        probs = jnp.exp(jnp.where(visible, scores, NEG) - part.m[..., None])
         probs = probs / jnp.where(part.l > 0, part.l, 1.0)[..., None]
-        importance = (probs * here[:, None, :, None]).sum(2)
-        return normalise(part.o, part.l), lax.stop_gradient(importance)
+        allowed = token_candidates(present, segments, block, causal, a)
+        return (normalise(part.o, part.l), *top_blocks(probs, allowed, others))
 
-    qs = jnp.moveaxis(q.reshape(b, h, nb, block, d), 2, 0)
-    vis = jnp.moveaxis(visible.reshape(b, 1, nb, block, nb), 2, 0)
-    here = jnp.moveaxis(present.reshape(b, nb, block), 1, 0)
-    out, importance = lax.map(one, (qs, vis, here))  # [nb, b, h, B, dv], [nb, b, h, nb]
-    return jnp.moveaxis(out, 0, 2).reshape(b, h, N, -1), jnp.moveaxis(importance, 0, 2)
+    out, table, valid = per_block(one, q, block)
+    return out, Routing(table, valid)
 
 
 def nsa_attention(
@@ -125,11 +133,10 @@ def nsa_attention(
     seg = None if segments is None else pad_to(segments, npad, 1)
     kc = jnp.einsum("bhjd,hde->bhje", pooled(k, present, block), params["compress_k"])
     vc = jnp.einsum("bhjv,hvw->bhjw", pooled(v, present, block), params["compress_v"])
-    visible = compressed_visible(present, seg, block, causal)
-    out_c, importance = _compressed(
-        q, kc.astype(compute), vc.astype(compute), visible, present.astype(compute), block
+    others = min(top_k - 1, npad // block - 1)
+    out_c, routing = _compressed(
+        q, kc.astype(compute), vc.astype(compute), present, seg, block, causal, others
     )
-    routing: Routing = choose(importance, candidates(present, seg, block, causal), top_k)
     _, l, o = routed_partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
     local = P.Local(window).causal() if causal else P.Local(window)
     out_w = sparse_attention(
@@ -146,3 +153,64 @@ def nsa_attention(
     out = sum(gates[..., c : c + 1] * branches[name] for c, name in enumerate(BRANCHES))
     out = out.astype(query.dtype)
     return (out, branches, gates, routing) if parts else out
+
+
+def _softmax_attend(scores: Array, mask: Array, values: Array) -> Array:
+    part = partial_softmax(scores, mask, lambda p: jnp.einsum("bhsj,bhjv->bhsv", p, values))
+    return normalise(part.o, part.l)
+
+
+def nsa_decode(
+    query: Array,
+    keys: Array,
+    values: Array,
+    params: dict[str, Array],
+    q_pos: Array,
+    top_k: int,
+    window: int,
+    *,
+    block: int = 64,
+    scale: float | None = None,
+) -> Array:
+    """Causal NSA for cached decoding steps: ``query [b, s, h, d]`` at positions ``q_pos``
+    against the cache ``keys``/``values`` ``[b, h, L, e]``: the compressed blocks that
+    end at or before each query, the ``top_k - 1`` complete earlier blocks they rank
+    first (with the own block), the window, gated: what the full forward computes."""
+    b, s, h, d = query.shape
+    L = keys.shape[2]
+    nb = num_blocks(L, block)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    compute = jnp.promote_types(query.dtype, jnp.float32)
+    q = jnp.swapaxes(query, 1, 2).astype(compute) * scale  # [b, h, s, d]
+    k, v = keys.astype(compute), values.astype(compute)
+    full = jnp.ones((b, nb * block), bool)
+    kc = jnp.einsum("bhjd,hde->bhje", pooled(pad_to(k, nb * block, 2), full, block),
+                    params["compress_k"].astype(compute))  # fmt: skip
+    vc = jnp.einsum("bhjv,hvw->bhjw", pooled(pad_to(v, nb * block, 2), full, block),
+                    params["compress_v"].astype(compute))  # fmt: skip
+    j = jnp.arange(nb)
+    visible = ((j[None, :] + 1) * block - 1 <= q_pos[:, None])[None, None]  # [1, 1, s, nb]
+    scores = jnp.einsum("bhsd,bhjd->bhsj", q, kc)
+    part = partial_softmax(scores, visible, lambda p: jnp.einsum("bhsj,bhjv->bhsv", p, vc))
+    out_c = normalise(part.o, part.l)
+    others = min(top_k - 1, nb - 1)
+    k_pos = jnp.arange(L)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    own = (k_pos[None, :] // block == (q_pos // block)[:, None]) & causal
+    selected = jnp.broadcast_to(own, (b, h, s, L))
+    if others > 0:
+        probs = jnp.exp(jnp.where(visible, scores, NEG) - part.m[..., None])
+        probs = probs / jnp.where(part.l > 0, part.l, 1.0)[..., None]
+        allowed = (j[None, :] < (q_pos // block)[:, None])[None, None]
+        selected = decode_mask(Routing(*top_blocks(probs, allowed, others)), q_pos, L, block)
+    near = causal & (q_pos[:, None] - k_pos[None, :] <= window)
+    kv_scores = jnp.einsum("bhsd,bhld->bhsl", q, k)
+    branches = {
+        "compressed": out_c,
+        "selected": _softmax_attend(kv_scores, selected, v),
+        "window": _softmax_attend(kv_scores, near[None, None], v),
+    }
+    logits = jnp.einsum("bshd,hdc->bshc", query.astype(compute), params["gate_w"])
+    gates = jnp.swapaxes(jax.nn.sigmoid(logits + params["gate_b"]), 1, 2)  # [b, h, s, 3]
+    out = sum(gates[..., c : c + 1] * branches[name] for c, name in enumerate(BRANCHES))
+    return jnp.swapaxes(out, 1, 2).astype(query.dtype)

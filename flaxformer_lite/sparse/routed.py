@@ -1,32 +1,30 @@
 """Dynamic sparse attention at sparse cost: key blocks chosen from the content (MoBA).
 
 ``moba:block=B,k=K`` (Mixture of Block Attention, Lu et al., Moonshot 2025): the keys
-are cut into blocks of ``B``; each block's mean key is its summary, a query block
-scores every summary with its mean query, and reads its own block and the ``K - 1``
-best-scoring others (``K`` counts the own block: ``k=1`` is block-local attention,
-``K`` at least the number of blocks is dense attention). Causal: only earlier blocks
-compete, and the own block is masked causally inside, so no query ever reads a future
-key. The routing is ``n * n / B`` dot products of pooled vectors; the attention reads
-``K`` blocks per query block through :mod:`~flaxformer_lite.sparse.routed_kernel`
-(``n * K * B`` scores, one group of blocks at a time); nothing is ``n x n``.
+are cut into blocks of ``B``; each block's mean key is its summary; a query scores
+every summary and reads its own block and the ``K - 1`` best-scoring others (``K``
+counts the own block: ``k=1`` is block-local attention, ``K`` at least the number of
+blocks is dense attention). Causal: only earlier blocks compete, and the own block is
+masked causally inside, so no query reads a future key. The routing is ``n * n / B``
+dot products of pooled vectors (a query block at a time); the attention reads ``K``
+blocks per query through :mod:`~flaxformer_lite.sparse.routed_kernel` (``n * K * B``
+scores, a group of query blocks at a time); nothing is ``n x n``.
 
 Design choices the paper leaves open, and why:
 
-- **One choice per query block, not per query.** MoBA routes each query token; a
-  block of queries sharing one set of key blocks is what a block-sparse kernel reads
-  at ``B x B`` tiles (per-token choices would read the union of ``B`` tokens' blocks).
-  Since the gate is linear in the query, the block's gate is the mean of its tokens'
-  gates, so the block ranks key blocks by the tokens' average preference.
-- **Per head.** Each head routes on its own queries and keys (multi-head attention; a
-  head group shares its kernel, not its choice).
-- **Packed rows.** A key block is a candidate only where its segment ids overlap the
-  query block's (contiguous packing: the id ranges intersect), so a block of another
-  example never takes a slot; padding is left out of the means.
-- **Gradients** flow through the scores inside the chosen blocks (the routing has
-  none: top-k is not differentiable), as in the paper's parameter-free gate.
+- **A choice per query** (the paper's gate), not per query block. A block of queries
+  sharing one choice would be cheaper to read, but its gate (the mean query) holds the
+  block's later queries: under causality an earlier query's keys would depend on later
+  tokens, and cached decoding could not reproduce it. ``block_gate=1`` takes the
+  shared choice where there is no causality (an encoder), refused in causal layers.
+- **Per head.** Each head routes on its own queries and keys (multi-head attention).
+- **Packed rows.** A key block is a candidate only if its segment ids span the query's
+  (contiguous packing); padding is left out of the means and routes nowhere.
+- **Gradients** flow through the scores inside the chosen blocks; the routing has none
+  (top-k is not differentiable), as in the paper's parameter-free gate.
 
 :func:`routed_mask` returns the ``[b, h, n, n]`` mask a routing chose (tests compare
-the kernel with dense attention under it; ``diagnostics`` reads it).
+the kernel with dense attention under it; the model's sown weights use it).
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
@@ -46,8 +45,8 @@ NO_SCORE = -jnp.inf
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """Each query block's key blocks: ``table [b, h, nb, K]`` (slot 0: its own block),
-    ``valid [b, h, nb, K]`` (False: an empty slot, fewer candidates than ``K``)."""
+    """The key blocks each query reads besides its own: ``table [b, h, N, R]`` and
+    ``valid [b, h, N, R]`` (False: an empty slot, fewer candidates than ``R``)."""
 
     table: Array
     valid: Array
@@ -75,44 +74,86 @@ def pooled(x: Array, present: Array, block: int) -> Array:
     return total / jnp.maximum(w.sum(3), 1.0)
 
 
-def candidates(present: Array, segments: Array | None, block: int, causal: bool) -> Array:
-    """``[b, 1, nb, nb]`` bool: key block ``j`` may be chosen for query block ``a``: another
-    block (the own one is always read), holding a present key, earlier where causal,
-    and sharing a segment id range with ``a`` where rows are packed."""
+def _spans(present: Array, segments: Array | None, block: int):
+    """Per block: (holds a present token ``[b, nb]``, least and largest segment id of
+    its present tokens, or None without segments)."""
+    b, N = present.shape
+    here = present.reshape(b, N // block, block)
+    if segments is None:
+        return here.any(-1), None, None
+    seg = segments.reshape(b, N // block, block)
+    lo = jnp.where(here, seg, jnp.iinfo(jnp.int32).max).min(-1)
+    hi = jnp.where(here, seg, -1).max(-1)
+    return here.any(-1), lo, hi
+
+
+def token_candidates(present, segments, block: int, causal: bool, a) -> Array:
+    """``[b, 1, B, nb]`` bool for query block ``a``'s queries: key block ``j`` may be
+    chosen: another block (the own one is always read), earlier where causal, holding a
+    present key whose segment ids span the query's; a padding query routes nowhere."""
     b, N = present.shape
     nb = N // block
-    a, j = jnp.arange(nb)[:, None], jnp.arange(nb)[None, :]
+    j = jnp.arange(nb)
     ok = (j != a) & (j < a) if causal else (j != a)
-    has = present.reshape(b, nb, block).any(-1)  # [b, nb]
-    ok = ok[None] & has[:, None, :]
+    has, lo, hi = _spans(present, segments, block)
+    mine = lax.dynamic_slice_in_dim(present, a * block, block, 1)  # [b, B]
+    ok = ok[None, None] & has[:, None, :] & mine[:, :, None]
     if segments is not None:
-        seg = pad_to(segments, N, 1).reshape(b, nb, block)
-        here = present.reshape(b, nb, block)
-        lo = jnp.where(here, seg, jnp.iinfo(jnp.int32).max).min(-1)
-        hi = jnp.where(here, seg, -1).max(-1)
+        seg = lax.dynamic_slice_in_dim(segments, a * block, block, 1)[:, :, None]
+        ok = ok & (lo[:, None, :] <= seg) & (seg <= hi[:, None, :])
+    return ok[:, None]
+
+
+def block_candidates(present, segments, block: int) -> Array:
+    """``[b, 1, nb, nb]``: block ``j`` may be chosen for query block ``a`` (no causality):
+    another block holding present keys, sharing a segment id range with ``a``."""
+    has, lo, hi = _spans(present, segments, block)
+    nb = has.shape[1]
+    ok = (jnp.arange(nb)[:, None] != jnp.arange(nb)[None]) & has[:, None, :] & has[:, :, None]
+    if segments is not None:
         ok = ok & (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
     return ok[:, None]
 
 
-def choose(scores: Array, allowed: Array, k: int) -> Routing:
-    """Own block + the ``k - 1`` best-scoring allowed others (ties: the lower index)."""
-    b, h, nb, _ = scores.shape
-    own = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32)[:, None], (b, h, nb, 1))
-    others = min(k - 1, nb - 1)
-    if others <= 0:
-        return Routing(own, jnp.ones_like(own, bool))
+def top_blocks(scores: Array, allowed: Array, others: int) -> tuple[Array, Array]:
+    """The ``others`` best allowed blocks per row of ``scores [..., nb]`` (ties: the lower
+    index): ``(table, valid)``, an empty slot where fewer are allowed."""
     masked = jnp.where(allowed, lax.stop_gradient(scores), NO_SCORE)
     best, index = lax.top_k(masked, others)
-    valid = best > NO_SCORE
-    table = jnp.concatenate([own, jnp.where(valid, index, own).astype(jnp.int32)], -1)
-    return Routing(table, jnp.concatenate([jnp.ones_like(own, bool), valid], -1))
+    return index.astype(jnp.int32), best > NO_SCORE
 
 
-def moba_routing(q: Array, k: Array, present: Array, segments, block: int, top_k: int,
-                 causal: bool) -> Routing:  # fmt: skip
-    """MoBA's gate on ``[b, h, N, d]`` queries and keys: mean query . mean key per block."""
-    scores = jnp.einsum("bhad,bhjd->bhaj", pooled(q, present, block), pooled(k, present, block))
-    return choose(scores, candidates(present, segments, block, causal), top_k)
+def per_block(fn, q: Array, block: int):
+    """``fn(a, q_a)`` for every query block ``a`` of ``q [b, h, N, d]`` (``lax.map``,
+    recomputed in the backward pass), outputs joined along the query axis (2)."""
+    b, h, N, d = q.shape
+    nb = N // block
+    qs = jnp.moveaxis(q.reshape(b, h, nb, block, d), 2, 0)
+    outs = lax.map(jax.checkpoint(lambda xs: fn(*xs)), (jnp.arange(nb), qs))
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2).reshape(b, h, N, *x.shape[4:]), outs)
+
+
+def moba_routing(q, k, present, segments, block: int, top_k: int, causal: bool,
+                 block_gate: bool = False) -> Routing:  # fmt: skip
+    """MoBA's gate on ``[b, h, N, d]`` queries and keys: query . mean key per block (with
+    ``block_gate``: mean query . mean key, one choice per query block)."""
+    b, h, N, _ = q.shape
+    nb = N // block
+    others = min(top_k - 1, nb - 1)
+    if others <= 0:
+        empty = jnp.zeros((b, h, N, 0), jnp.int32)
+        return Routing(empty, empty.astype(bool))
+    means = pooled(k, present, block)
+    if block_gate:
+        scores = jnp.einsum("bhad,bhjd->bhaj", pooled(q, present, block), means)
+        table, valid = top_blocks(scores, block_candidates(present, segments, block), others)
+        return Routing(jnp.repeat(table, block, 2), jnp.repeat(valid, block, 2))
+
+    def one(a, qa):  # [b, h, B, d]
+        scores = jnp.einsum("bhqd,bhjd->bhqj", qa, means)
+        return top_blocks(scores, token_candidates(present, segments, block, causal, a), others)
+
+    return Routing(*per_block(one, q, block))
 
 
 def moba_attention(
@@ -125,10 +166,14 @@ def moba_attention(
     causal: bool = False,
     segments: Array | None = None,
     scale: float | None = None,
+    block_gate: bool = False,
     routing_only: bool = False,
 ) -> Array | Routing:
     """MoBA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc);
     ``routing_only``: the :class:`Routing` it would read instead."""
+    if block_gate and causal:
+        raise ValueError("moba's block_gate=1 routes a query block by all its queries, later "
+                         "ones too: not causal; use block_gate=0 in causal attention")  # fmt: skip
     b, n, h, d = query.shape
     npad = num_blocks(n, block) * block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -137,7 +182,7 @@ def moba_attention(
     k, v = _layout(key, npad).astype(compute), _layout(value, npad).astype(compute)
     present = _present(n, npad, segments, b)
     seg = None if segments is None else pad_to(segments, npad, 1)
-    routing = moba_routing(q, k, present, seg, block, top_k, causal)
+    routing = moba_routing(q, k, present, seg, block, top_k, causal, block_gate)
     if routing_only:
         return routing
     m, l, o = routed_partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
@@ -147,15 +192,16 @@ def moba_attention(
 
 def routed_mask(routing: Routing, block: int, n: int, causal: bool,
                 segments: Array | None = None) -> Array:  # fmt: skip
-    """``[b, h, n, n]`` bool: the pairs a routing reads (for tests and pictures)."""
-    b, h, nb, _ = routing.table.shape
-    chosen = jnp.zeros((b, h, nb, nb), bool)
-    rows = jnp.arange(b)[:, None, None, None]
-    heads = jnp.arange(h)[None, :, None, None]
-    blocks = jnp.arange(nb)[None, None, :, None]
-    chosen = chosen.at[rows, heads, blocks, routing.table].max(routing.valid)
-    i, j = jnp.arange(n) // block, jnp.arange(n) // block
-    mask = chosen[:, :, i][:, :, :, j]
+    """``[b, h, n, n]`` bool: the pairs a routing reads (its own block and the chosen
+    ones, causal and segment rules applied), for tests and pictures."""
+    b, h, N, _ = routing.table.shape
+    nb = N // block
+    chosen = jnp.zeros((b, h, N, nb), bool).at[
+        jnp.arange(b)[:, None, None, None], jnp.arange(h)[None, :, None, None],
+        jnp.arange(N)[None, None, :, None], routing.table,
+    ].max(routing.valid)  # fmt: skip
+    chosen = chosen | (jnp.arange(N)[:, None] // block == jnp.arange(nb)[None, :])
+    mask = chosen[:, :, :n][..., jnp.arange(n) // block]
     if causal:
         mask = mask & jnp.tril(jnp.ones((n, n), bool))
     if segments is not None:
@@ -163,4 +209,31 @@ def routed_mask(routing: Routing, block: int, n: int, causal: bool,
     return mask
 
 
-__all__ = ["Routing", "choose", "moba_attention", "routed_mask"]
+__all__ = ["Routing", "decode_mask", "decode_routing", "moba_attention", "routed_mask"]
+
+
+def decode_routing(q: Array, keys: Array, q_pos: Array, block: int, top_k: int) -> Routing:
+    """What cached decoding steps read: ``q [b, h, s, d]`` (scaled queries at positions
+    ``q_pos [s]``) against the cache ``keys [b, h, L, d]``: each query's ``top_k - 1``
+    best complete earlier blocks by its query . mean key, as :func:`moba_routing` chose
+    in the full forward (the same blocks, means and ties: the cached steps equal it)."""
+    b, h, L, _ = keys.shape
+    nb = num_blocks(L, block)
+    others = min(top_k - 1, nb - 1)
+    if others <= 0:
+        empty = jnp.zeros((b, h, q.shape[2], 0), jnp.int32)
+        return Routing(empty, empty.astype(bool))
+    keys = pad_to(keys, nb * block, 2)
+    means = pooled(keys, jnp.ones((b, nb * block), bool), block)
+    allowed = jnp.arange(nb)[None, :] < (q_pos // block)[:, None]  # complete, earlier
+    scores = jnp.einsum("bhsd,bhjd->bhsj", q, means)
+    return Routing(*top_blocks(scores, allowed[None, None], others))
+
+
+def decode_mask(routing: Routing, q_pos: Array, length: int, block: int) -> Array:
+    """``[b, h, s, L]``: the cache positions the decoding steps' routing reads (own
+    block and the chosen ones, up to the query)."""
+    k_blocks = jnp.arange(length) // block
+    own = k_blocks[None, :] == (q_pos // block)[:, None]  # [s, L]
+    chosen = (routing.table[..., None] == k_blocks) & routing.valid[..., None]
+    return (own | chosen.any(-2)) & (jnp.arange(length)[None, :] <= q_pos[:, None])

@@ -38,9 +38,9 @@ Names and their keys (defaults in brackets; ``block`` defaults to
 ``etc``            ``window`` [128], ``global`` [8] first tokens
 ``topk``           ``k`` [64]: each query's k best-scoring keys (dynamic; alone
                    in its head group; no cached decoding; time n^2)
-``moba``           ``block``, ``k`` [3]: each query block's own key block and the
-                   k-1 whose mean key best matches its mean query (MoBA; dynamic,
-                   sub-quadratic)
+``moba``           ``block``, ``k`` [3], ``block_gate`` [0]: each query's own key
+                   block and the k-1 whose mean key best matches it (MoBA; dynamic,
+                   sub-quadratic; ``block_gate=1``: one choice per query block)
 ``nsa``            ``block``, ``k`` [4], ``window`` [64]: NSA's compressed,
                    selected and sliding-window branches, gated (dynamic)
 =================  ===========================================================
@@ -94,7 +94,10 @@ _ATOMS = {
     ),
     "etc": ({"window": 128, "global": 8}, lambda a, blk, seed: P.etc(a["window"], a["global"])),
     "topk": ({"k": 64}, lambda a, blk, seed: P.TopK(a["k"])),
-    "moba": ({"block": None, "k": 3}, lambda a, blk, seed: D.MoBA(a["block"] or blk, a["k"])),
+    "moba": (
+        {"block": None, "k": 3, "block_gate": 0},
+        lambda a, blk, seed: D.MoBA(a["block"] or blk, a["k"], bool(a["block_gate"])),
+    ),
     "nsa": (
         {"block": None, "k": 4, "window": 64},
         lambda a, blk, seed: D.NSA(a["block"] or blk, a["k"], a["window"]),
@@ -225,13 +228,21 @@ def layer_patterns(
             f"{len(groups)} head groups in {spec!r} do not divide num_heads={num_heads}"
         )
     out = [g.for_layer(layer) for g in groups]
-    return [g.causal() for g in out] if causal else out
+    try:
+        return [g.causal() for g in out] if causal else out
+    except ValueError as e:
+        raise PatternSpecError(f"attention pattern {spec!r} in a causal layer: {e}") from None
 
 
-def check_spec(spec: str, num_heads: int, num_layers: int, block_size: int) -> None:
-    """Validate a spec against the model (raises PatternSpecError with the fix)."""
+def check_spec(
+    spec: str, num_heads: int, num_layers: int, block_size: int, causal_layers: int = 0
+) -> None:
+    """Validate a spec against the model (raises PatternSpecError with the fix); the
+    first ``causal_layers`` layers (a decoder's) also in their causal variants."""
     if is_dense(spec):
         return
+    for layer in range(causal_layers):
+        layer_patterns(spec, layer, num_heads, block_size=block_size, seed=0, causal=True)
     for layer in range(max(num_layers, 1)):
         for pattern in layer_patterns(
             spec, layer, num_heads, block_size=block_size, seed=0, causal=False
