@@ -22,6 +22,8 @@ class MoBA(Dynamic):
     block: int = 64
     k: int = 3
     block_gate: bool = False
+    label = "moba attention"
+    kernel = "sparse.routed"
 
     def __post_init__(self):
         _check_positive("moba", block=self.block, k=self.k)
@@ -40,6 +42,8 @@ class NSA(Dynamic):
     block: int = 64
     k: int = 4
     window: int = 64
+    label = "nsa attention"
+    kernel = "sparse.nsa"
 
     def __post_init__(self):
         _check_positive("nsa", block=self.block, k=self.k, window=self.window)

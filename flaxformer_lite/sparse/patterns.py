@@ -302,13 +302,17 @@ def _random_table(pattern: RandomBlocks, n: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Dynamic(Pattern):
     """The patterns whose keys depend on the content (``TopK``; MoBA and NSA in
-    :mod:`~flaxformer_lite.sparse.dynamic`): no fixed rule or cover, their own kernels."""
+    :mod:`~flaxformer_lite.sparse.dynamic`): no fixed rule or cover, their own kernels
+    (``label`` and ``kernel`` name them in errors)."""
+
+    label = "dynamic attention"
+    kernel = "its own kernel"
 
     def _allows(self, i, j, n):
-        raise ValueError(f"{self} has no fixed mask: its keys depend on the content")
+        raise ValueError(f"{self.label} has no fixed mask: its keys depend on the content")
 
     def _plans(self, n, block):
-        raise ValueError(f"{self} has no fixed cover: its own kernel computes it")
+        raise ValueError(f"{self.label} has no fixed cover: it is computed by {self.kernel}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +321,8 @@ class TopK(Dynamic):
     :func:`~flaxformer_lite.sparse.topk.topk_attention` (time n^2, memory ``block * n``)."""
 
     k: int = 64
+    label = "top-k attention"
+    kernel = "sparse.topk"
 
     def __post_init__(self):
         _check_positive("topk", k=self.k)
