@@ -36,7 +36,11 @@ the rows it did not reach are listed as such):
   the band kernel, which tell whether a kernel's forward or backward fails to skip.
   The fused block-sparse kernel (sparse/block_sparse_gpu.py) on BigBird, Longformer,
   the Sparse Transformer's strided and fixed (causal, stride 128), dilated and the
-  two-sided window, each against cuDNN's dense (or causal) kernel.
+  two-sided window, each against cuDNN's dense (or causal) kernel. Dynamic block
+  routing (8 blocks of 64 per query, routing included): MoBA's per-query choice on the
+  gather kernel (sparse/routed_gather_gpu.py), on the tile kernel (sparse/routed_gpu.py)
+  and on XLA's (the CPU path), its block gate on the tile kernel, the routing alone,
+  and NSA (window 256) against cuDNN's causal (dense) kernel.
   ``--kernels`` picks rows by name.
 * ``decode``: cached greedy and beam-4 new tokens/s at batch 1 and 64 (source 32, 64
   new tokens, EOS never emitted so every row does the full work), ende_small and
@@ -292,6 +296,7 @@ def measure_train(
 
 HEADS, HEAD_DIM, TOKENS, WINDOW = 8, 64, 65536, 256
 STRIDE = 128  # the Sparse Transformer's strided and fixed patterns
+DYNAMIC_BLOCK, DYNAMIC_K = 64, 8  # moba/nsa rows: 8 blocks of 64 (512 keys) per query
 
 
 def _import_tokamax():
@@ -420,7 +425,72 @@ def attention_kernels():
     }.items():
         ref = "cudnn causal" if pattern.is_causal else "cudnn dense"
         out[f"block-sparse {name}"] = (_block_sparse(pattern), pattern, ref)
+    out.update(_dynamic_kernels())
     return out
+
+
+def _dynamic_kernels():
+    """Dynamic block routing (MoBA, NSA) on the fused routed kernels, routing included:
+    a choice per query on the gather kernel (key block by key block), the same routing
+    on the tile kernel (query tiles over their queries' union) and on XLA's gather
+    kernel (the CPU path), and a choice per query block on the tile kernel."""
+    from flaxformer_lite.sparse import dynamic as D
+    from flaxformer_lite.sparse.nsa import init_params, nsa_attention
+    from flaxformer_lite.sparse.routed import moba_attention
+    from flaxformer_lite.sparse.routed_gpu import routed_block_attention
+
+    B, K = DYNAMIC_BLOCK, DYNAMIC_K
+    causal = D.MoBA(B, K).causal()
+    gate = D.MoBA(B, K, block_gate=True)
+    nsa = D.NSA(B, K, WINDOW).causal()
+    params = init_params(HEADS, HEAD_DIM, HEAD_DIM)
+
+    def moba(kernel, **kw):
+        return lambda q, k, v: moba_attention(q, k, v, K, block=B, kernel=kernel, **kw)
+
+    def moba_tiles(q, k, v):
+        r = moba_attention(q, k, v, K, block=B, causal=True, routing_only=True)
+        return routed_block_attention(q, k, v, r.table, r.valid, block=B, causal=True)
+
+    return {
+        f"moba k={K} causal (gather)": (moba("triton", causal=True), causal, "cudnn causal"),
+        f"moba k={K} causal (tiles)": (moba_tiles, causal, "cudnn causal"),
+        f"moba k={K} causal (xla)": (moba("xla", causal=True), causal, "cudnn causal"),
+        f"moba k={K} block gate (tiles)": (
+            moba("triton", block_gate=True), gate, "cudnn dense"
+        ),
+        f"moba k={K} routing (causal) fwd": (
+            lambda q, k, v: moba_attention(
+                q, k, v, K, block=B, causal=True, routing_only=True
+            ).table.astype(q.dtype)[..., :1].swapaxes(1, 2) * q[..., :1],
+            causal, None,
+        ),
+        f"nsa k={K} w={WINDOW} (causal)": (
+            lambda q, k, v: nsa_attention(q, k, v, params, K, WINDOW, block=B, causal=True,
+                                          kernel="triton"),
+            nsa, "cudnn causal",
+        ),
+    }  # fmt: skip
+
+
+def _dynamic_pairs(pattern, n: int) -> float:
+    """The (query, key) pairs a dynamic pattern reads at length n, where every earlier
+    block is a candidate (no packing): MoBA's own block (causal part) and min(k - 1,
+    earlier blocks) chosen ones; a block gate's k blocks; NSA's selected pairs plus its
+    window and the compressed blocks each query sees."""
+    import numpy as np
+
+    from flaxformer_lite.sparse import dynamic as D
+
+    i = np.arange(n, dtype=np.float64)
+    B, nb = pattern.block, -(-n // pattern.block)
+    if getattr(pattern, "block_gate", False):
+        return float(n) * min(pattern.k, nb) * B
+    a = i // B
+    pairs = np.minimum(pattern.k - 1, a) * B + (i % B + 1 if pattern.is_causal else B)
+    if isinstance(pattern, D.NSA):
+        pairs += np.minimum(i, pattern.window) + 1 + (i + 1) // B
+    return float(pairs.sum())
 
 
 def _block_sparse(pattern):
@@ -443,6 +513,8 @@ def _allowed_pairs(pattern, n: int) -> float:
 
     if type(pattern).__name__ == "Full":
         return n * (n + 1) / 2 if pattern.is_causal else float(n) * n
+    if type(pattern).__name__ in ("MoBA", "NSA"):
+        return _dynamic_pairs(pattern, n)
     return float(tile_plan(pattern, n, 64, 64).pairs)
 
 

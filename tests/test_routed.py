@@ -291,9 +291,14 @@ def test_the_patterns_in_the_grammar_and_the_config():
     base = dict(vocab_size=24, d_model=16, num_heads=2, d_ff=32, max_len=32,
                 attention_block_size=4, attention_dropout=0.0)  # fmt: skip
     ModelConfig(**base, attention_pattern="moba:k=2;nsa:k=2,window=4")
-    for impl, words in (("splash", "splash reads fixed masks"), ("cudnn", "no fused GPU")):
+    ModelConfig(**base, attention_pattern="moba:block=16;nsa:block=32", attention_impl="cudnn")
+    for impl, pattern, words in (
+        ("splash", "moba", "splash reads fixed masks"),
+        ("cudnn", "moba:block=24", "block=24 is no power of two >= 16"),
+        ("cudnn", "topk:k=4", "no fused GPU kernel"),
+    ):
         with pytest.raises(ConfigError, match=words):
-            ModelConfig(**base, attention_pattern="moba", attention_impl=impl)
+            ModelConfig(**base, attention_pattern=pattern, attention_impl=impl)
 
 
 @pytest.mark.slow  # ~10 s; the cached-decoding test runs the same model in the default run

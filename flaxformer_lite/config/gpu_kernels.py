@@ -1,7 +1,8 @@
 """Which GPU kernel runs a head group under ``model.attention_impl=cudnn``, by its
 pattern: cuDNN's fused kernel where cuDNN computes the pattern (dense, causal, a causal
 window), the project's band kernel for a two-sided window, its block-sparse kernel for
-every other static pattern; top-k attention has none. Read by the config rules
+every other static pattern, its routed block kernel for ``moba`` and ``nsa`` (their
+chosen blocks; NSA's window on the band kernel); top-k attention has none. Read by the config rules
 (:mod:`~flaxformer_lite.config.rules`), the model's dispatch and its start-up lines.
 """
 
@@ -37,18 +38,28 @@ GPU_KERNELS = {
     "cudnn": "cuDNN's fused kernel",
     "band": "the band kernel (Triton)",
     "block_sparse": "the block-sparse kernel (Triton)",
+    "routed": "the routed block kernel (Triton)",
 }
 
 
 def gpu_kernel(pattern: P.Pattern) -> str:
     """The :data:`GPU_KERNELS` entry that runs ``pattern`` under ``attention_impl=cudnn``;
-    ValueError for dynamic attention (its keys depend on the content: no fused kernel)."""
-    if isinstance(pattern, P.Dynamic):
-        name = "topk" if isinstance(pattern, P.TopK) else type(pattern).__name__.lower()
+    ValueError for top-k attention (every score decides: no fused kernel) and for a
+    routed block that is not a tile of Triton (a power of two of at least 16)."""
+    if isinstance(pattern, P.TopK):
         raise ValueError(
-            f"{name} attention's keys depend on the scores, and no fused GPU kernel "
-            "computes it yet; use attention_impl=blocked for that head group's model"
+            "topk attention's keys depend on every score, and no fused GPU kernel computes "
+            "it; use attention_impl=blocked for that model, or moba/nsa (block routing)"
         )
+    if isinstance(pattern, P.Dynamic):  # moba, nsa
+        block = pattern.block
+        if block < 16 or block & (block - 1):
+            raise ValueError(
+                f"the routed block kernel's key tiles are the routing's blocks, and block="
+                f"{block} is no power of two >= 16; use block=16, 32, 64 or 128, or "
+                "attention_impl=blocked"
+            )
+        return "routed"
     if type(pattern) is P.Full or (type(pattern) is P.Local and pattern.is_causal):
         return "cudnn"
     return "band" if type(pattern) is P.Local else "block_sparse"

@@ -50,14 +50,15 @@ def multihead_sparse_attention(
 ) -> Array:
     """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
 
-    Dynamic block patterns (``moba``, ``nsa``) run on the routed kernel whatever the
-    impl (the CPU path; ``nsa_params``: head group -> its gates and projections).
+    Dynamic block patterns (``moba``, ``nsa``) run on the routed kernel (XLA) under the
+    other impls; ``nsa_params``: head group -> its gates and projections.
 
     ``impl=cudnn`` runs each group on the fused GPU kernel for its pattern
     (:func:`~flaxformer_lite.config.gpu_kernels.gpu_kernel`): cuDNN for dense, causal and
     causal-window groups, the project's band kernel for a two-sided window, its
     block-sparse kernel (:mod:`flaxformer_lite.sparse.block_sparse_gpu`) for every other
-    pattern; ``packed``: rows hold several examples (``segments`` from the batch's
+    static pattern, its routed block kernel (:mod:`flaxformer_lite.sparse.routed_gpu`)
+    for ``moba`` and ``nsa``; ``packed``: rows hold several examples (``segments`` from the batch's
     segmentation), for cuDNN's packed layout."""
     h = query.shape[2]
     per = h // len(patterns)
@@ -78,7 +79,10 @@ def multihead_sparse_attention(
             )
         elif gpu is not None:  # the project's Triton kernels (the interpreter on CPU)
             interpret = kernels.platform_mode("cudnn") != "cudnn"
-            if gpu == "band":  # a two-sided window: not cuDNN's
+            if gpu == "routed":  # moba, nsa: their chosen blocks (and NSA's window)
+                out = _dynamic(q, k, v, pattern, g, nsa_params, segments=segments, scale=scale,
+                               kernel="triton", interpret=interpret)  # fmt: skip
+            elif gpu == "band":  # a two-sided window: not cuDNN's
                 out = band_attention(
                     q, k, v, left=pattern.window, right=pattern.window, scale=scale,
                     segments=segments, interpret=interpret,
@@ -88,20 +92,8 @@ def multihead_sparse_attention(
                     q, k, v, pattern, scale=scale, segments=segments, interpret=interpret
                 )
             outs.append(out)
-        elif isinstance(pattern, D.MoBA):
-            outs.append(
-                moba_attention(
-                    q, k, v, pattern.k, block=pattern.block, causal=pattern.is_causal,
-                    segments=segments, scale=scale, block_gate=pattern.block_gate,
-                )
-            )  # fmt: skip
-        elif isinstance(pattern, D.NSA):
-            outs.append(
-                nsa_attention(
-                    q, k, v, nsa_params[g], pattern.k, pattern.window, block=pattern.block,
-                    causal=pattern.is_causal, segments=segments, scale=scale,
-                )
-            )  # fmt: skip
+        elif isinstance(pattern, D.MoBA | D.NSA):
+            outs.append(_dynamic(q, k, v, pattern, g, nsa_params, segments=segments, scale=scale))
         elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
             outs.append(
                 topk_attention(
@@ -122,6 +114,15 @@ def multihead_sparse_attention(
         else:
             raise ValueError(f"attention_impl={impl!r}; choose one of {', '.join(IMPLS)}")
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+
+
+def _dynamic(q, k, v, pattern, group: int, nsa_params, **kw) -> Array:
+    """A ``moba`` or ``nsa`` head group (``kw``: segments, scale, kernel, interpret)."""
+    if isinstance(pattern, D.NSA):
+        return nsa_attention(q, k, v, nsa_params[group], pattern.k, pattern.window,
+                             block=pattern.block, causal=pattern.is_causal, **kw)  # fmt: skip
+    return moba_attention(q, k, v, pattern.k, block=pattern.block, causal=pattern.is_causal,
+                          block_gate=pattern.block_gate, **kw)  # fmt: skip
 
 
 def masked_dense_attention(

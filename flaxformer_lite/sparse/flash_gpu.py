@@ -104,14 +104,22 @@ def whole_table(x) -> pl.BlockSpec:
     return pl.BlockSpec(x.shape, lambda t, r: (0,) * x.ndim)
 
 
-def flash_forward(kernel, name: str, q, k, v, segs, bq: int, interpret: bool, tables=()):
+def row_table(x) -> pl.BlockSpec:
+    """Program (t, r) reads row ``r`` of ``x [b*h, ...]`` (a table per batch row and head,
+    such as the routed kernel's data-dependent tile lists)."""
+    return pl.BlockSpec((None, *x.shape[1:]), lambda t, r: (r,) + (0,) * (x.ndim - 1))
+
+
+def flash_forward(kernel, name: str, q, k, v, segs, bq: int, interpret: bool, tables=(),
+                  table_spec=whole_table):  # fmt: skip
     """(out, lse) of a flash-attention forward ``kernel`` over the grid (query tiles,
-    b*h). Its refs: ``tables`` (whole), the query tile, every key and value, then with
-    ``segs`` = (query ids, key ids) the tile's query ids and every key id; then the
-    output tile and its log-sum-exps. (The band kernel and the block-sparse kernel.)"""
+    b*h). Its refs: ``tables`` (read by ``table_spec``: whole, or :func:`row_table`), the
+    query tile, every key and value, then with ``segs`` = (query ids, key ids) the
+    tile's query ids and every key id; then the output tile and its log-sum-exps. (The
+    band, block-sparse and routed kernels.)"""
     bh, m, d = q.shape
     tile, whole = specs(m)
-    in_specs = [*map(whole_table, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
+    in_specs = [*map(table_spec, tables), tile(bq, d), whole(d), whole(v.shape[-1])]
     extra = ()
     if segs is not None:
         seg_tile, seg_whole = segment_specs(segs[0], bh, m)
@@ -132,7 +140,7 @@ def flash_forward(kernel, name: str, q, k, v, segs, bq: int, interpret: bool, ta
 
 
 def flash_backward(kernels, name: str, q, k, v, segs, g, lse, delta, tiles, interpret,
-                   tables=((), ())):  # fmt: skip
+                   tables=((), ()), table_spec=whole_table):  # fmt: skip
     """(dq, dk, dv) of a flash-attention backward: ``kernels`` = (dk/dv kernel over the
     grid (key tiles, b*h), dq kernel over (query tiles, b*h)); ``tiles`` = (bq, bk);
     ``tables`` = (the dk/dv kernel's, the dq kernel's), read whole. Each kernel's refs:
@@ -143,9 +151,9 @@ def flash_backward(kernels, name: str, q, k, v, segs, g, lse, delta, tiles, inte
     tile, whole = specs(m)
     whole_vec = pl.BlockSpec((None, m), lambda t, r: (r, 0))
     tile_vec = pl.BlockSpec((None, bq), lambda t, r: (r, t))
-    dkdv_specs = [*map(whole_table, tables[0]), whole(d), tile(bk, d), tile(bk, dv_dim),
+    dkdv_specs = [*map(table_spec, tables[0]), whole(d), tile(bk, d), tile(bk, dv_dim),
                   whole(dv_dim), whole_vec, whole_vec]  # fmt: skip
-    dq_specs = [*map(whole_table, tables[1]), tile(bq, d), whole(d), whole(dv_dim),
+    dq_specs = [*map(table_spec, tables[1]), tile(bq, d), whole(d), whole(dv_dim),
                 tile(bq, dv_dim), tile_vec, tile_vec]  # fmt: skip
     extra = ()
     if segs is not None:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.band_gpu import band_attention
 from flaxformer_lite.sparse.blocked import sparse_attention
 from flaxformer_lite.sparse.online_softmax import NEG, normalise, pad_to, partial_softmax
 from flaxformer_lite.sparse.plans import num_blocks
@@ -51,6 +52,7 @@ from flaxformer_lite.sparse.routed import (
     token_candidates,
     top_blocks,
 )
+from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
 from flaxformer_lite.sparse.routed_kernel import routed_partial
 
 BRANCHES = ("compressed", "selected", "window")
@@ -119,10 +121,16 @@ def nsa_attention(
     segments: Array | None = None,
     scale: float | None = None,
     parts: bool = False,
+    kernel: str = "xla",
+    interpret: bool | None = None,
 ):
     """NSA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc).
     ``parts``: also return ``{branch: [b, n, h, dv]}``, the gates ``[b, n, h, 3]`` and
-    the selection's :class:`~flaxformer_lite.sparse.routed.Routing` (for the tests)."""
+    the selection's :class:`~flaxformer_lite.sparse.routed.Routing` (for the tests).
+    ``kernel=triton``: the selected branch on the fused routed kernel and the window on
+    the band kernel (:mod:`~flaxformer_lite.sparse.routed_gather_gpu`,
+    :mod:`~flaxformer_lite.sparse.band_gpu`; ``interpret`` as there); the compressed
+    branch and the gates stay XLA's either way."""
     b, n, h, d = query.shape
     npad = num_blocks(n, block) * block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -137,15 +145,26 @@ def nsa_attention(
     out_c, routing = _compressed(
         q, kc.astype(compute), vc.astype(compute), present, seg, block, causal, others
     )
-    _, l, o = routed_partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
-    local = P.Local(window).causal() if causal else P.Local(window)
-    out_w = sparse_attention(
-        query, key, value, local, block_size=block, q_segments=segments,
-        kv_segments=segments, scale=scale,
-    )  # fmt: skip
+    if kernel == "triton":
+        out_s = routed_gather_attention(
+            query, key, value, routing.table, routing.valid, block=block, causal=causal,
+            segments=segments, scale=scale, interpret=interpret,
+        )  # fmt: skip
+        out_w = band_attention(
+            query, key, value, left=window, right=0 if causal else window, scale=scale,
+            segments=segments, interpret=interpret,
+        )  # fmt: skip
+    else:
+        _, l, o = routed_partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
+        out_s = jnp.swapaxes(normalise(o, l)[:, :, :n], 1, 2)
+        local = P.Local(window).causal() if causal else P.Local(window)
+        out_w = sparse_attention(
+            query, key, value, local, block_size=block, q_segments=segments,
+            kv_segments=segments, scale=scale,
+        )  # fmt: skip
     branches = {
         "compressed": jnp.swapaxes(out_c[:, :, :n], 1, 2),
-        "selected": jnp.swapaxes(normalise(o, l)[:, :, :n], 1, 2),
+        "selected": out_s.astype(compute),
         "window": out_w.astype(compute),
     }
     logits = jnp.einsum("bnhd,hdc->bnhc", query.astype(compute), params["gate_w"])

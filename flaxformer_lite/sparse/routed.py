@@ -38,6 +38,8 @@ from jax import Array, lax
 
 from flaxformer_lite.sparse.online_softmax import normalise, pad_to, segment_mask
 from flaxformer_lite.sparse.plans import num_blocks
+from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
+from flaxformer_lite.sparse.routed_gpu import routed_block_attention
 from flaxformer_lite.sparse.routed_kernel import routed_partial
 
 NO_SCORE = -jnp.inf
@@ -168,9 +170,16 @@ def moba_attention(
     scale: float | None = None,
     block_gate: bool = False,
     routing_only: bool = False,
+    kernel: str = "xla",
+    interpret: bool | None = None,
 ) -> Array | Routing:
     """MoBA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc);
-    ``routing_only``: the :class:`Routing` it would read instead."""
+    ``routing_only``: the :class:`Routing` it would read instead. ``kernel``: ``xla``
+    (:mod:`~flaxformer_lite.sparse.routed_kernel`, any device) or ``triton`` (fused,
+    inputs in their own dtype; ``interpret`` as there): a choice per query on
+    :mod:`~flaxformer_lite.sparse.routed_gather_gpu` (key block by key block over the
+    queries that chose it), a choice per query block on
+    :mod:`~flaxformer_lite.sparse.routed_gpu` (its tiles)."""
     if block_gate and causal:
         raise ValueError("moba's block_gate=1 routes a query block by all its queries, later "
                          "ones too: not causal; use block_gate=0 in causal attention")  # fmt: skip
@@ -185,6 +194,12 @@ def moba_attention(
     routing = moba_routing(q, k, present, seg, block, top_k, causal, block_gate)
     if routing_only:
         return routing
+    if kernel == "triton":  # a shared choice reads whole tiles; one per query, gathered rows
+        fused = routed_block_attention if block_gate else routed_gather_attention
+        return fused(
+            query, key, value, routing.table, routing.valid, block=block, causal=causal,
+            segments=segments, scale=scale, interpret=interpret,
+        )  # fmt: skip
     m, l, o = routed_partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
     out = normalise(o, l)[:, :, :n]
     return jnp.swapaxes(out, 1, 2).astype(query.dtype)
