@@ -372,3 +372,14 @@ def test_a_translation_decoder_decodes_them_as_its_full_forward():
         params = unbox(model.init(jax.random.key(2), src, tgt))["params"]
         full = model.apply({"params": params}, src, tgt)
         np.testing.assert_allclose(_cached_decode(model, params, src, tgt), full, atol=1e-10)
+
+
+def test_both_ways_of_taking_the_top_blocks_choose_the_same():
+    """argmax passes (the GPU's default) and XLA's top_k give the same table and slots,
+    ties (rounded scores) and rows with fewer allowed blocks than slots included."""
+    scores = jnp.round(jax.random.normal(jax.random.key(1), (3, 2, 40, 12)), 1)
+    allowed = jax.random.uniform(jax.random.key(2), scores.shape) < 0.4
+    a, b = (routed.top_blocks(scores, allowed, 5, by=by) for by in ("top_k", "argmax"))
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(np.where(a[1], a[0], -1), np.where(b[1], b[0], -1))
+    assert not np.asarray(a[1]).all()  # some rows have empty slots

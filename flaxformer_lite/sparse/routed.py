@@ -117,22 +117,49 @@ def block_candidates(present, segments, block: int) -> Array:
     return ok[:, None]
 
 
-def top_blocks(scores: Array, allowed: Array, others: int) -> tuple[Array, Array]:
+def top_blocks(scores: Array, allowed: Array, others: int, by: str | None = None):
     """The ``others`` best allowed blocks per row of ``scores [..., nb]`` (ties: the lower
-    index): ``(table, valid)``, an empty slot where fewer are allowed."""
+    index): ``(table, valid)``, an empty slot where fewer are allowed. ``by``: ``top_k``
+    (XLA's sort-based top-k) or ``argmax`` (``others`` passes of an argmax, the chosen
+    one masked after each: the same table; 2.5x faster routing at 64k tokens on an
+    H200, slower on a CPU); default argmax on a GPU for up to 16 blocks, else top_k."""
     masked = jnp.where(allowed, lax.stop_gradient(scores), NO_SCORE)
-    best, index = lax.top_k(masked, others)
-    return index.astype(jnp.int32), best > NO_SCORE
+    if by is None:
+        by = "argmax" if others <= 16 and jax.default_backend() == "gpu" else "top_k"
+    if by == "top_k":
+        best, index = lax.top_k(masked, others)
+        return index.astype(jnp.int32), best > NO_SCORE
+    iota = lax.broadcasted_iota(jnp.int32, masked.shape, masked.ndim - 1)
+    picks, bests = [], []
+    for _ in range(others):  # argmax takes the lowest index of a tie, as top_k does
+        index = jnp.argmax(masked, axis=-1).astype(jnp.int32)
+        bests.append(jnp.max(masked, axis=-1))
+        picks.append(index)
+        masked = jnp.where(iota == index[..., None], NO_SCORE, masked)
+    return jnp.stack(picks, -1), jnp.stack(bests, -1) > NO_SCORE
 
 
-def per_block(fn, q: Array, block: int):
-    """``fn(a, q_a)`` for every query block ``a`` of ``q [b, h, N, d]`` (``lax.map``,
-    recomputed in the backward pass), outputs joined along the query axis (2)."""
+ROUTE_ELEMENTS = 1 << 22  # routing scores per step (16 MiB in float32): the steps' size
+
+
+def per_block(fn, q: Array, block: int, width: int | None = None):
+    """``fn(a, q_a)`` for every query block ``a`` of ``q [b, h, N, d]``, outputs joined
+    along the query axis (2). Blocks go ``G`` at a time (``jax.vmap`` inside a
+    ``lax.map`` step, recomputed in the backward pass), ``G`` the most whose ``[b, h, B,
+    width]`` scores (``width``: keys or blocks a query scores; default the block count)
+    stay within :data:`ROUTE_ELEMENTS`: a sequential loop over single blocks leaves an
+    accelerator idle (64k tokens: 1,024 steps), one over all of them is ``n x n / B``."""
     b, h, N, d = q.shape
     nb = N // block
-    qs = jnp.moveaxis(q.reshape(b, h, nb, block, d), 2, 0)
-    outs = lax.map(jax.checkpoint(lambda xs: fn(*xs)), (jnp.arange(nb), qs))
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2).reshape(b, h, N, *x.shape[4:]), outs)
+    per = b * h * block * (width or nb)
+    g = max(x for x in range(1, nb + 1) if nb % x == 0 and x * per <= max(ROUTE_ELEMENTS, per))
+    qs = jnp.moveaxis(q.reshape(b, h, nb // g, g, block, d), (2, 3), (0, 1))
+    step = jax.checkpoint(lambda xs: jax.vmap(fn)(*xs))
+    outs = lax.map(step, (jnp.arange(nb).reshape(nb // g, g), qs))
+    return jax.tree.map(
+        lambda x: jnp.moveaxis(x.reshape(nb, *x.shape[2:]), 0, 2).reshape(b, h, N, *x.shape[5:]),
+        outs,
+    )
 
 
 def moba_routing(q, k, present, segments, block: int, top_k: int, causal: bool,

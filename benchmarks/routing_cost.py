@@ -1,0 +1,70 @@
+"""What MoBA's routing costs beside its attention, and how its top-k is taken.
+
+  python benchmarks/routing_cost.py            # on a GPU: n = 65,536, 8 heads of 64
+  python benchmarks/routing_cost.py --tiny     # anywhere: n = 2,048
+
+Times (best of three rounds, in one process) the routing alone (``moba:block=64,k=8``,
+causal: every query scores every earlier block's mean key and keeps 7) and MoBA's
+forward+backward on the fused kernel (``kernel="triton"``, routing included), for the
+two ways of taking the top blocks (``sparse.routed.top_blocks``: XLA's ``top_k``, or
+seven passes of an argmax) and two routing step sizes (``ROUTE_ELEMENTS``: scores per
+step). Prints one line per variant; the record is in
+experiments/performance/gpu/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from flaxformer_lite.sparse import routed  # noqa: E402
+
+
+def timed(f, *args, reps: int = 10) -> float:
+    """Best of three rounds of ``reps`` calls, in ms (after a warm-up call)."""
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = f(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / reps)
+    return 1e3 * best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="n = 2,048 (a CPU)")
+    args = parser.parse_args()
+    n = 2048 if args.tiny else 65536
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(x, (1, n, 8, 64), jnp.bfloat16) for x in keys)
+    top_blocks = routed.top_blocks
+    for by, elements in (("top_k", 1 << 22), ("argmax", 1 << 22), ("argmax", 1 << 24)):
+        routed.top_blocks = functools.partial(top_blocks, by=by)
+        routed.ROUTE_ELEMENTS = elements
+        kw = dict(block=64, causal=True)
+        route = jax.jit(
+            lambda q, k, kw=kw: routed.moba_attention(q, k, k, 8, routing_only=True, **kw).table
+        )
+        loss = lambda q, k, v, kw=kw: (
+            routed.moba_attention(q, k, v, 8, kernel="triton", **kw).astype(jnp.float32).sum()
+        )  # noqa: E731
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        ms = timed(route, q, k), timed(step, q, k, v, reps=3)
+        print(f"n={n} top by {by}, {elements:,} scores per step: routing {ms[0]:.2f} ms, "
+              f"moba fwd+bwd {ms[1]:.2f} ms", flush=True)  # fmt: skip
+    routed.top_blocks = top_blocks
+
+
+if __name__ == "__main__":
+    main()
