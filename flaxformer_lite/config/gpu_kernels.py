@@ -48,8 +48,8 @@ def gpu_kernel(pattern: P.Pattern) -> str:
     routed block that is not a tile of Triton (a power of two of at least 16)."""
     if isinstance(pattern, P.TopK):
         raise ValueError(
-            "topk attention's keys depend on the scores (every one), and no fused GPU kernel computes "
-            "it; use attention_impl=blocked for that model, or moba/nsa (block routing)"
+            "topk attention's keys depend on the scores (every one), and no fused GPU kernel "
+            "computes it; use attention_impl=blocked for that model, or moba/nsa (block routing)"
         )
     if isinstance(pattern, P.Dynamic):  # moba, nsa
         block = pattern.block
