@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flaxformer_lite.sparse.flash_gpu import NEG, compiler_params, flash_inputs, score_grads
+from flaxformer_lite.sparse.routed_gpu import chosen_blocks
 
 Array = jax.Array
 NAME = "routed_gather_attention"  # its kernels: NAME_forward, NAME_backward
@@ -258,12 +259,7 @@ def routed_gather_attention(
         NAME, query, key, value, segments, block, block, scale, interpret
     )  # rows padded to the blocks; the entries are gathered block_q at a time
     bh, m, _ = q.shape
-    if table.shape[2] != m or table.shape[:2] != (query.shape[0], query.shape[2]):
-        raise ValueError(
-            f"{NAME}: the routing's table {table.shape} is not [b, h, {m}, R] for queries "
-            f"{query.shape} in blocks of {block}"
-        )
-    chosen = jnp.where(valid, table, -1).astype(jnp.int32).reshape(bh, m, -1)
+    chosen = chosen_blocks(NAME, table, valid, query.shape, m, block)
     own = jnp.broadcast_to((jnp.arange(m, dtype=jnp.int32) // block)[None, :, None], (bh, m, 1))
     blocks = lax.stop_gradient(jnp.concatenate([chosen, own], axis=-1))
     order, offsets = entries(blocks, m // block)

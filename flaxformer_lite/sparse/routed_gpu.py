@@ -208,6 +208,18 @@ def _attend_bwd(statics, bq, interpret, res, g):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def chosen_blocks(name: str, table: Array, valid: Array, shape, m: int, block: int) -> Array:
+    """A routing's ``table``/``valid [b, h, m, R]`` as ``[b*h, m, R]`` blocks, -1 where a
+    slot is empty; a table of another shape than queries ``shape [b, n, h, d]`` padded
+    to ``m`` rows is refused, naming ``name``."""
+    if table.shape[2] != m or table.shape[:2] != (shape[0], shape[2]):
+        raise ValueError(
+            f"{name}: the routing's table {table.shape} is not [b, h, {m}, R] for queries "
+            f"{shape} in blocks of {block}"
+        )
+    return jnp.where(valid, table, -1).astype(jnp.int32).reshape(shape[0] * shape[2], m, -1)
+
+
 def routed_block_attention(
     query: Array,
     key: Array,
@@ -242,13 +254,7 @@ def routed_block_attention(
     q, k, v, segs, scale, interpret, unpad = flash_inputs(
         NAME, query, key, value, segments, bq, block, scale, interpret
     )
-    bh, m, _ = q.shape
-    if table.shape[2] != m or table.shape[:2] != (query.shape[0], query.shape[2]):
-        raise ValueError(
-            f"{NAME}: the routing's table {table.shape} is not [b, h, {m}, R] for queries "
-            f"{query.shape} in blocks of {block}"
-        )
-    chosen = jnp.where(valid, table, -1).astype(jnp.int32).reshape(bh, m, -1)
+    chosen = chosen_blocks(NAME, table, valid, query.shape, q.shape[1], block)
     r = max(1, chosen.shape[-1])
     width = 1 << (r - 1).bit_length()  # Triton loads power-of-two shapes
     chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, width - chosen.shape[-1])), constant_values=-1)
