@@ -118,9 +118,10 @@ def test_the_limits_whatever_the_routing():
                 _close(moba, ref, (q, k, v), w, 1e-10)
 
 
-def test_a_dropped_or_future_block_is_caught():
+@pytest.mark.parametrize("kernel", sorted(routed.XLA_KERNELS))
+def test_a_dropped_or_future_block_is_caught(kernel):
     """The comparisons above fail on a kernel that loses a chosen block or reads a future
-    one: each mutation moves the output away from the oracle's."""
+    one: each mutation moves the output away from the oracle's (both XLA kernels)."""
     with jax.enable_x64(True):
         q, k, v, _ = _inputs(seed=2)
         routing = routed.moba_attention(q, k, v, 3, block=B, causal=True, routing_only=True)
@@ -131,7 +132,7 @@ def test_a_dropped_or_future_block_is_caught():
         )
 
         def run(table, valid, causal=True):
-            _, l, o = routed.routed_partial(qs, ks, vs, table, valid, B, N, causal)
+            _, l, o = routed.XLA_KERNELS[kernel](qs, ks, vs, table, valid, B, N, causal)
             return jnp.swapaxes((o / jnp.maximum(l, 1e-300)[..., None])[:, :, :N], 1, 2)
 
         np.testing.assert_allclose(run(routing.table, routing.valid), want, atol=1e-10)

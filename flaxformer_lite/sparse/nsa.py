@@ -13,7 +13,7 @@ Three branches over the same queries, mixed by learned gates per head and query:
   ``n * n / B``, a query block at a time;
 - **selected**: each query's attention probabilities over the compressed blocks rank
   the key blocks; it reads its own block and the ``K - 1`` most probable earlier ones
-  at full resolution (:mod:`~flaxformer_lite.sparse.routed_kernel`, ``n * K * B``), as
+  at full resolution (:mod:`~flaxformer_lite.sparse.routed_chunks`, ``n * K * B``), as
   MoBA does with its mean-key gate (the same choices: per query, so that causality
   holds and cached decoding can choose the same; per head;
   :mod:`~flaxformer_lite.sparse.routed`);
@@ -42,6 +42,7 @@ from flaxformer_lite.sparse.blocked import sparse_attention
 from flaxformer_lite.sparse.online_softmax import NEG, normalise, pad_to, partial_softmax
 from flaxformer_lite.sparse.plans import num_blocks
 from flaxformer_lite.sparse.routed import (
+    XLA_KERNELS,
     Routing,
     _layout,
     _present,
@@ -53,7 +54,6 @@ from flaxformer_lite.sparse.routed import (
     top_blocks,
 )
 from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
-from flaxformer_lite.sparse.routed_kernel import routed_partial
 
 BRANCHES = ("compressed", "selected", "window")
 PARAMS = ("compress_k", "compress_v", "gate_w", "gate_b")  # the learned parts
@@ -155,7 +155,8 @@ def nsa_attention(
             segments=segments, interpret=interpret,
         )  # fmt: skip
     else:
-        _, l, o = routed_partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
+        partial = XLA_KERNELS[kernel]
+        _, l, o = partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
         out_s = jnp.swapaxes(normalise(o, l)[:, :, :n], 1, 2)
         local = P.Local(window).causal() if causal else P.Local(window)
         out_w = sparse_attention(

@@ -6,9 +6,10 @@ every summary and reads its own block and the ``K - 1`` best-scoring others (``K
 counts the own block: ``k=1`` is block-local attention, ``K`` at least the number of
 blocks is dense attention). Causal: only earlier blocks compete, and the own block is
 masked causally inside, so no query reads a future key. The routing is ``n * n / B``
-dot products of pooled vectors (a query block at a time); the attention reads ``K``
-blocks per query through :mod:`~flaxformer_lite.sparse.routed_kernel` (``n * K * B``
-scores, a group of query blocks at a time); nothing is ``n x n``.
+dot products of pooled vectors (many query blocks a step); the attention reads ``K``
+blocks per query (``n * K * B`` scores) through
+:mod:`~flaxformer_lite.sparse.routed_chunks` (XLA: key block by key block over chunks
+of the queries that chose it) or a fused GPU kernel; nothing is ``n x n``.
 
 Design choices the paper leaves open, and why:
 
@@ -38,11 +39,15 @@ from jax import Array, lax
 
 from flaxformer_lite.sparse.online_softmax import normalise, pad_to, segment_mask
 from flaxformer_lite.sparse.plans import num_blocks
+from flaxformer_lite.sparse.routed_chunks import routed_chunks_partial
 from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
 from flaxformer_lite.sparse.routed_gpu import routed_block_attention
 from flaxformer_lite.sparse.routed_kernel import routed_partial
 
 NO_SCORE = -jnp.inf
+# The partial softmax over the chosen blocks, by XLA: key block by key block over
+# chunks of entries (the default), or each query's blocks gathered (the first kernel).
+XLA_KERNELS = {"xla": routed_chunks_partial, "xla_rows": routed_partial}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +207,9 @@ def moba_attention(
 ) -> Array | Routing:
     """MoBA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc);
     ``routing_only``: the :class:`Routing` it would read instead. ``kernel``: ``xla``
-    (:mod:`~flaxformer_lite.sparse.routed_kernel`, any device) or ``triton`` (fused,
+    (:mod:`~flaxformer_lite.sparse.routed_chunks`, any device), ``xla_rows``
+    (:mod:`~flaxformer_lite.sparse.routed_kernel`: each query's blocks gathered; 5x
+    slower on a CPU, kept for comparison) or ``triton`` (fused,
     inputs in their own dtype; ``interpret`` as there): a choice per query on
     :mod:`~flaxformer_lite.sparse.routed_gather_gpu` (key block by key block over the
     queries that chose it), a choice per query block on
@@ -227,7 +234,7 @@ def moba_attention(
             query, key, value, routing.table, routing.valid, block=block, causal=causal,
             segments=segments, scale=scale, interpret=interpret,
         )  # fmt: skip
-    m, l, o = routed_partial(q, k, v, routing.table, routing.valid, block, n, causal, seg)
+    m, l, o = XLA_KERNELS[kernel](q, k, v, routing.table, routing.valid, block, n, causal, seg)
     out = normalise(o, l)[:, :, :n]
     return jnp.swapaxes(out, 1, 2).astype(query.dtype)
 
