@@ -10,7 +10,9 @@ B=1, 8 heads, head dim 64, float32. Kernels:
                    (model.attention_impl=chunked): O(n) memory, O(n^2) time;
   topk           - each query's 64 best keys (sparse/topk.py: every score computed);
   bigbird        - blocked BigBird, block 64: 3 window, 2 global, 3 random blocks;
-  moba           - moba:block=64,k=4 (own block + 3 routed: sparse/routed.py);
+  moba           - moba:block=64,k=4 (own block + 3 routed: sparse/routed.py), its chosen
+                   blocks read key block by key block (sparse/routed_chunks.py);
+  moba_rows      - the same, each query's blocks gathered (sparse/routed_kernel.py);
   nsa            - nsa:block=64,k=4,window=128 (compressed + 4 selected blocks + window).
 
 Per length and kernel: the forward+backward wall time (median of --reps after a
@@ -53,6 +55,9 @@ KERNELS = {
     "topk": lambda q, k, v: topk_attention(q, k, v, TOPK, causal=True, query_block=128),
     "bigbird": lambda q, k, v: sparse_attention(q, k, v, _BIGBIRD, block_size=BLOCK),
     "moba": lambda q, k, v: routed.moba_attention(q, k, v, K, block=BLOCK, causal=True),
+    "moba_rows": lambda q, k, v: routed.moba_attention(
+        q, k, v, K, block=BLOCK, causal=True, kernel="xla_rows"
+    ),
     "nsa": lambda q, k, v: nsa.nsa_attention(q, k, v, _NSA, K, WINDOW, block=BLOCK, causal=True),
 }
 
@@ -67,7 +72,7 @@ def keys_read(name: str, n: int) -> float:
         return min(n * TOPK, causal) / causal
     if name == "bigbird":
         return float(_BIGBIRD.mask(n).sum()) / causal if n <= 16384 else float("nan")
-    pairs = n * min(K * BLOCK, n)  # at most K blocks of B keys per query
+    pairs = n * min(K * BLOCK, n)  # at most K blocks of B keys per query (moba, moba_rows)
     if name == "nsa":
         pairs += n * (WINDOW + 1) + n * (n // BLOCK) / 2
     return min(pairs / causal, 1.0)
