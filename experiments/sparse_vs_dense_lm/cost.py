@@ -32,7 +32,8 @@ from flaxformer_lite.config import files  # noqa: E402
 
 
 def patterns(length: int) -> dict[str, str]:
-    """run.sh's patterns: local reads 128 keys; Sparse Transformer's stride ~ sqrt(n)."""
+    """run.sh's patterns: local reads 128 keys, moba at most 128 (4 blocks of 32), nsa 64
+    chosen + 65 in its window + the block summaries; Sparse Transformer's stride ~ sqrt(n)."""
     stride = 32 if length <= 1024 else 64
     return {
         "dense": "dense",
@@ -40,6 +41,8 @@ def patterns(length: int) -> dict[str, str]:
         "strided": f"sparse_strided:stride={stride}",
         "bigbird": "bigbird:block=64,window=3,global=1,random=1",
         "topk": "topk:k=128",
+        "moba": "moba:block=32,k=4",
+        "nsa": "nsa:block=32,k=2,window=64",
     }
 
 

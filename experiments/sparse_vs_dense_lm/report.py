@@ -39,6 +39,8 @@ NAMES = {  # pattern spec in the sweep -> the name cost.py gives it
     "sparse_strided:stride=32": "strided",
     "bigbird:block=64,window=3,global=1,random=1": "bigbird",
     "topk:k=128": "topk",
+    "moba:block=32,k=4": "moba",
+    "nsa:block=32,k=2,window=64": "nsa",
 }
 
 
