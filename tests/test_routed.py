@@ -340,6 +340,20 @@ _DECODING = dict(
 )  # fmt: skip
 
 
+def test_a_decoding_step_routes_as_the_full_forward():
+    """The cheap form of the model test below: decode_routing over a cache of keys, for
+    every position at once, reads exactly the pairs the full forward's routing chose."""
+    with jax.enable_x64(True):
+        q, k, v, _ = _inputs(seed=3)
+        routing = routed.moba_attention(q, k, v, 3, block=B, causal=True, routing_only=True)
+        want = routed.routed_mask(routing, B, N, True)
+        ql, kl = (jnp.swapaxes(x, 1, 2) for x in (q / np.sqrt(DK), k))
+        pos = jnp.arange(N)
+        step = routed.decode_routing(ql, kl, pos, B, 3)
+        np.testing.assert_array_equal(routed.decode_mask(step, pos, N, B), want)
+
+
+@pytest.mark.slow  # ~17 s of compiling; its cheap form is the test above
 def test_cached_decoding_routes_over_the_cache_as_the_full_forward():
     """A step routes its query over the cached blocks (the complete earlier ones, by
     query . mean key; NSA by its compressed probabilities) and equals the full forward:

@@ -35,7 +35,10 @@ def _models(config, arch):
     return cls(config), cls(config.replace(scan_layers=True))
 
 
-@pytest.mark.parametrize("arch", ["translation", pytest.param("sparse lm", marks=pytest.mark.slow)])
+# ~15 s each: the slow tier; the default run keeps the float32 form below (the layout
+# changes neither the initial parameters nor the first steps).
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["translation", "sparse lm"])
 def test_scanned_equals_unrolled_in_float64(arch):
     # float64 end to end: the same operations in a loop; observed equal to ~1e-16, the
     # bound 1e-12 relative.
@@ -65,6 +68,7 @@ def test_scanned_equals_unrolled_in_float64(arch):
             np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow  # ~16 s: two trainings and restores
 def test_checkpoints_restore_across_layouts(tmp_path):
     """A train state (parameters and Adam's moments) saved unrolled resumes scanned,
     and one saved scanned resumes unrolled; the best checkpoint's parameters alone
