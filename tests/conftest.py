@@ -51,6 +51,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 50))
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from flaxformer_lite.workdir.compile_cache import skip_scans_past_reach  # noqa: E402
+
+skip_scans_past_reach()  # the lock without jax's per-write scan of every entry
+
 from flaxformer_lite.config.model import ModelConfig  # noqa: E402
 
 

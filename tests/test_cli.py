@@ -233,3 +233,19 @@ def test_two_processes_share_the_compilation_cache_without_a_torn_entry(tmp_path
         assert "Error reading persistent compilation cache" not in err, err[-2000:]
     hits = sum(int(out.split("HITS")[1]) for out, _ in outs)
     assert hits > 0, outs  # they did share entries
+
+
+def test_a_lock_only_cache_skips_jaxs_scan_of_every_entry(tmp_path):
+    """A limit no cache reaches keeps jax's lock but not its per-write scan of every
+    entry (which read each entry's size and access time: quadratic over a session); a
+    real limit still scans. An entry without its access-time file makes the scan fail,
+    so the check sees whether it ran."""
+    from jax._src import lru_cache
+
+    from flaxformer_lite.workdir.compile_cache import LIMIT, LOCK_ONLY, skip_scans_past_reach
+
+    skip_scans_past_reach()
+    (tmp_path / "orphan-cache").write_bytes(b"x")  # jax's entry suffix, no atime file
+    lru_cache.LRUCache(str(tmp_path), max_size=LOCK_ONLY)._evict_if_needed()
+    with pytest.raises(FileNotFoundError):
+        lru_cache.LRUCache(str(tmp_path), max_size=LIMIT)._evict_if_needed()

@@ -14,7 +14,10 @@ reading persistent compilation cache entry ... truncated stream") and compile ag
 :func:`keep_compiled_programs` therefore always sets a limit where ``filelock``
 imports: 2 GiB for the folder it chooses, and for a folder the user chose
 (``JAX_COMPILATION_CACHE_DIR``) without a limit, one no cache reaches, which turns the
-lock on and evicts nothing.
+lock on and evicts nothing. jax's eviction check reads every entry's size and access
+time on each write (under the lock), whatever the limit: over a session of thousands
+of entries (the test suite's folder) that scan, not compiling, became the cost, so
+:func:`skip_scans_past_reach` skips it where the limit is one no cache reaches.
 """
 
 from __future__ import annotations
@@ -23,6 +26,27 @@ import os
 
 LIMIT = 2 << 30  # bytes: the oldest entries go past it
 LOCK_ONLY = 1 << 50  # bytes: a limit no cache reaches (the lock without eviction)
+
+
+def skip_scans_past_reach() -> None:
+    """jax's eviction check returns at once for a cache whose limit is
+    :data:`LOCK_ONLY` or more (nothing to evict; the lock stays). Where jax's cache
+    class has no such method, nothing changes (the scan stays: slower, still right)."""
+    try:
+        from jax._src import lru_cache
+    except ImportError:  # pragma: no cover - another jax layout
+        return
+    evict = getattr(lru_cache.LRUCache, "_evict_if_needed", None)
+    if evict is None or getattr(evict, "skips_past_reach", False):
+        return
+
+    def _evict_if_needed(self, *args, **kwargs):
+        if getattr(self, "max_size", 0) >= LOCK_ONLY:
+            return None
+        return evict(self, *args, **kwargs)
+
+    _evict_if_needed.skips_past_reach = True
+    lru_cache.LRUCache._evict_if_needed = _evict_if_needed
 
 
 def keep_compiled_programs(folder: str) -> None:
@@ -49,3 +73,4 @@ def keep_compiled_programs(folder: str) -> None:
         return
     if limit is not None:
         jax.config.update("jax_compilation_cache_max_size", limit)
+    skip_scans_past_reach()
