@@ -93,57 +93,66 @@ def _refs(refs, segmented, n_in):
     return ins, None, None, rest
 
 
+class _KeyBlock:
+    """What a program of either kernel holds: key block ``j``'s keys, values and
+    positions, the range of its entries, and the scores of its t-th ``bq`` entries."""
+
+    def __init__(self, ins, qs_ref, ks_ref, statics):
+        off_ref, self.ent_ref, self.q_ref, k_ref, v_ref = ins[:5]
+        self.scale, block, self.n, self.causal, self.bq, self.slots = statics
+        j = pl.program_id(0)
+        self.lo, self.hi = off_ref[j], off_ref[j + 1]
+        self.k, self.v = k_ref[...], v_ref[...]
+        self.kpos = j * block + jnp.arange(block, dtype=jnp.int32)
+        self.qs_ref = qs_ref
+        self.ks = None if ks_ref is None else ks_ref[...]
+
+    def steps(self):
+        return (self.hi - self.lo + self.bq - 1) // self.bq
+
+    def tile(self, t):
+        """(where each lane writes, its query, live, the gathered queries, their
+        scores, the allowed pairs)."""
+        e, qpos, live = _entry_tile(t, self.lo, self.hi, self.ent_ref, self.bq, self.slots)
+        q = plgpu.load(_rows(self.q_ref, qpos))
+        s = plgpu.dot(q, self.k.T) * self.scale
+        qs = None if self.qs_ref is None else self.qs_ref[qpos]
+        ok = _allowed(live, qpos, self.kpos, self.n, self.causal, qs, self.ks)
+        return e, qpos, live, q, s, ok
+
+
 def _forward_kernel(*refs, statics, segmented):
     ins, qs_ref, ks_ref, (o_ref, m_ref, l_ref) = _refs(refs, segmented, 5)
-    off_ref, ent_ref, q_ref, k_ref, v_ref = ins
-    scale, block, n, causal, bq, slots = statics
-    j = pl.program_id(0)
-    lo, hi = off_ref[j], off_ref[j + 1]
-    k, v = k_ref[...], v_ref[...]
-    kpos = j * block + jnp.arange(block, dtype=jnp.int32)
-    ks = None if ks_ref is None else ks_ref[...]
+    kb = _KeyBlock(ins, qs_ref, ks_ref, statics)
 
     def body(t, carry):
-        e, qpos, live = _entry_tile(t, lo, hi, ent_ref, bq, slots)
-        q = plgpu.load(_rows(q_ref, qpos))
-        s = plgpu.dot(q, k.T) * scale
-        qs = None if qs_ref is None else qs_ref[qpos]
-        ok = _allowed(live, qpos, kpos, n, causal, qs, ks)
+        e, _, live, _, s, ok = kb.tile(t)
         s = jnp.where(ok, s, NEG)
         m = jnp.max(s, axis=1)
         p = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0)
-        o = plgpu.dot(p.astype(v.dtype), v)
-        _store_rows(o_ref, e, o, live)
+        _store_rows(o_ref, e, plgpu.dot(p.astype(kb.v.dtype), kb.v), live)
         plgpu.store(m_ref.at[e], m, mask=live)
         plgpu.store(l_ref.at[e], jnp.sum(p, axis=1), mask=live)
         return carry
 
-    lax.fori_loop(0, (hi - lo + bq - 1) // bq, body, 0)
+    lax.fori_loop(0, kb.steps(), body, 0)
 
 
 def _backward_kernel(*refs, statics, segmented):
     ins, qs_ref, ks_ref, (dk_ref, dv_ref, dq_ref) = _refs(refs, segmented, 8)
-    off_ref, ent_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
-    scale, block, n, causal, bq, slots = statics
-    j = pl.program_id(0)
-    lo, hi = off_ref[j], off_ref[j + 1]
-    k, v = k_ref[...], v_ref[...]
-    kpos = j * block + jnp.arange(block, dtype=jnp.int32)
-    ks = None if ks_ref is None else ks_ref[...]
+    do_ref, lse_ref, delta_ref = ins[5:]
+    kb = _KeyBlock(ins, qs_ref, ks_ref, statics)
 
     def body(t, carry):
         dk, dv = carry
-        e, qpos, live = _entry_tile(t, lo, hi, ent_ref, bq, slots)
-        q, do = plgpu.load(_rows(q_ref, qpos)), plgpu.load(_rows(do_ref, qpos))
-        s = plgpu.dot(q, k.T) * scale
-        qs = None if qs_ref is None else qs_ref[qpos]
-        ok = _allowed(live, qpos, kpos, n, causal, qs, ks)
-        p, ds = score_grads(s, ok, lse_ref[qpos], do, v, delta_ref[qpos], scale, q.dtype)
-        _store_rows(dq_ref, e, plgpu.dot(ds, k), live)
+        e, qpos, live, q, s, ok = kb.tile(t)
+        do = plgpu.load(_rows(do_ref, qpos))
+        p, ds = score_grads(s, ok, lse_ref[qpos], do, kb.v, delta_ref[qpos], kb.scale, q.dtype)
+        _store_rows(dq_ref, e, plgpu.dot(ds, kb.k), live)
         return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
 
-    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(0, (hi - lo + bq - 1) // bq, body, init)
+    init = (jnp.zeros(kb.k.shape, jnp.float32), jnp.zeros(kb.v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(0, kb.steps(), body, init)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
