@@ -123,16 +123,7 @@ class MultiHeadAttention(nn.Module):
             module_name="score",
         )
 
-        patterns = None
-        if self.self_attention and c.sparse_attention:
-            patterns = spec.layer_patterns(
-                c.attention_pattern,
-                self.layer,
-                h,
-                block_size=c.attention_block_size,
-                seed=c.attention_seed,
-                causal=self.causal,
-            )
+        patterns = self._patterns()
         query = project_query(inputs_q)
         stepping = False  # a cached decoding step (not the call that creates the cache)
         if self.self_attention:
@@ -152,19 +143,29 @@ class MultiHeadAttention(nn.Module):
         x = self._attend(
             query, key, value, mask, patterns, score, deterministic=deterministic, decode=decode
         )
-        if (
-            decode
-            and patterns is not None
-            and stepping
-            and any(isinstance(p, NSA) for p in patterns)
-        ):
-            steps = query.shape[1]  # the step's positions: the cache index before it
-            q_pos = self.get_variable("cache", "cache_index") - steps + jnp.arange(steps)
-            x = sparse.nsa_decode_groups(
-                x, patterns, query, _head_major(key), _head_major(value), q_pos,
-                self._nsa_params(patterns), scale=1.0 if c.score_fn == "dot" else None,
-            )  # fmt: skip
+        if decode and stepping and patterns and any(isinstance(p, NSA) for p in patterns):
+            x = self._nsa_step(x, patterns, query, key, value)
         return dense(c.d_model, (-2, -1), "out")(x)
+
+    def _patterns(self):
+        """This layer's head groups' patterns (sparse self-attention), else None."""
+        c = self.config
+        if not (self.self_attention and c.sparse_attention):
+            return None
+        return spec.layer_patterns(
+            c.attention_pattern, self.layer, c.num_heads, block_size=c.attention_block_size,
+            seed=c.attention_seed, causal=self.causal,
+        )  # fmt: skip
+
+    def _nsa_step(self, x, patterns, query, key, value) -> Array:
+        """A cached step's output with NSA's head groups computed over the cache (its
+        gated branches), the other groups' kept."""
+        steps = query.shape[1]  # the step's positions: the cache index before it
+        q_pos = self.get_variable("cache", "cache_index") - steps + jnp.arange(steps)
+        return sparse.nsa_decode_groups(
+            x, patterns, query, _head_major(key), _head_major(value), q_pos,
+            self._nsa_params(patterns), scale=1.0 if self.config.score_fn == "dot" else None,
+        )  # fmt: skip
 
     def _dense(self, mask: Array | SegmentIds | None) -> Array | None:
         """A token-form mask as the ``[b, 1, q, k]`` array (with causality where the layer
