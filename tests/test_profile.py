@@ -31,7 +31,10 @@ def test_profile_values():
             profile_steps(bad)
 
 
-@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)])
+# ~15 s each, in the slow tier: the default run keeps the trace test above and the
+# float32 scan+remat test of tests/test_scan_layers.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", [False, True])
 def test_a_scanned_rematerialized_profiled_run(fixture_data, tmp_path, monkeypatch, resume):
     """:debug with model.scan_layers, remat=full and train.profile=2:2 trains and
     writes its trace; (slow tier) the same run resumed with scan_layers=False reads the
