@@ -431,7 +431,8 @@ def attention_kernels():
 
 def _dynamic_kernels():
     """Dynamic block routing (MoBA, NSA) on the fused routed kernels, routing included:
-    a choice per query on the gather kernel (key block by key block), the same routing
+    a choice per query on the gather kernel (key block by key block; routed by the fused
+    routing kernel on a GPU, and by XLA's scores and top blocks), the same routing
     on the tile kernel (query tiles over their queries' union) and on XLA's gather
     kernel (the CPU path), and a choice per query block on the tile kernel."""
     from flaxformer_lite.sparse import dynamic as D
@@ -454,17 +455,20 @@ def _dynamic_kernels():
 
     return {
         f"moba k={K} causal (gather)": (moba("triton", causal=True), causal, "cudnn causal"),
+        f"moba k={K} causal (gather; xla routing)": (
+            moba("triton", causal=True, route="xla"), causal, "cudnn causal"
+        ),
         f"moba k={K} causal (tiles)": (moba_tiles, causal, "cudnn causal"),
         f"moba k={K} causal (xla)": (moba("xla", causal=True), causal, "cudnn causal"),
         f"moba k={K} block gate (tiles)": (
             moba("triton", block_gate=True), gate, "cudnn dense"
         ),
-        f"moba k={K} routing (causal) fwd": (
-            lambda q, k, v: moba_attention(
-                q, k, v, K, block=B, causal=True, routing_only=True
+        **{f"moba k={K} routing (causal{how}) fwd": (
+            lambda q, k, v, route=route: moba_attention(
+                q, k, v, K, block=B, causal=True, routing_only=True, route=route
             ).table.astype(q.dtype)[..., :1].swapaxes(1, 2) * q[..., :1],
             causal, None,
-        ),
+        ) for route, how in ((None, ""), ("xla", "; xla"))},
         f"nsa k={K} w={WINDOW} (causal)": (
             lambda q, k, v: nsa_attention(q, k, v, params, K, WINDOW, block=B, causal=True,
                                           kernel="triton"),

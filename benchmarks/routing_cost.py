@@ -1,15 +1,16 @@
 """What MoBA's routing costs beside its attention, and how its top-k is taken.
 
   python benchmarks/routing_cost.py            # on a GPU: n = 65,536, 8 heads of 64
-  python benchmarks/routing_cost.py --tiny     # anywhere: n = 2,048
+  python benchmarks/routing_cost.py --lengths 65536,16384
+  python benchmarks/routing_cost.py --tiny     # anywhere: n = 512
 
 Times (best of three rounds, in one process) the routing alone (``moba:block=64,k=8``,
 causal: every query scores every earlier block's mean key and keeps 7) and MoBA's
 forward+backward on the fused kernel (``kernel="triton"``, routing included), for the
-two ways of taking the top blocks (``sparse.routed.top_blocks``: XLA's ``top_k``, or
-seven passes of an argmax) and two routing step sizes (``ROUTE_ELEMENTS``: scores per
-step). Prints one line per variant; the record is in
-experiments/performance/gpu/README.md.
+XLA routing's two ways of taking the top blocks (``sparse.routed.top_blocks``: XLA's
+``top_k``, or seven passes of an argmax; ``ROUTE_ELEMENTS`` scores per step) and for
+the fused routing kernel (``sparse.route_gpu``: no scores in memory). Prints one line
+per variant; the record is in experiments/performance/gpu/README.md.
 """
 
 from __future__ import annotations
@@ -43,26 +44,33 @@ def timed(f, *args, reps: int = 10) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="n = 2,048 (a CPU)")
+    parser.add_argument("--tiny", action="store_true", help="n = 512 (a CPU)")
+    parser.add_argument("--lengths", default="65536", help="comma-separated lengths")
     args = parser.parse_args()
-    n = 2048 if args.tiny else 65536
+    for n in [512] if args.tiny else [int(x) for x in args.lengths.split(",")]:
+        run(n)
+
+
+def run(n: int) -> None:
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(x, (1, n, 8, 64), jnp.bfloat16) for x in keys)
     top_blocks = routed.top_blocks
-    for by, elements in (("top_k", 1 << 22), ("argmax", 1 << 22), ("argmax", 1 << 24)):
-        routed.top_blocks = functools.partial(top_blocks, by=by)
-        routed.ROUTE_ELEMENTS = elements
-        kw = dict(block=64, causal=True)
-        route = jax.jit(
+    for route, by, elements in (("xla", "top_k", 1 << 22), ("xla", "argmax", 1 << 22),
+                                ("fused", "-", 0)):  # fmt: skip
+        routed.top_blocks = functools.partial(top_blocks, by=by if by != "-" else None)
+        routed.ROUTE_ELEMENTS = elements or routed.ROUTE_ELEMENTS
+        kw = dict(block=64, causal=True, route=route)
+        routing = jax.jit(
             lambda q, k, kw=kw: routed.moba_attention(q, k, k, 8, routing_only=True, **kw).table
         )
         loss = lambda q, k, v, kw=kw: (
             routed.moba_attention(q, k, v, 8, kernel="triton", **kw).astype(jnp.float32).sum()
         )  # noqa: E731
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        ms = timed(route, q, k), timed(step, q, k, v, reps=3)
-        print(f"n={n} top by {by}, {elements:,} scores per step: routing {ms[0]:.2f} ms, "
-              f"moba fwd+bwd {ms[1]:.2f} ms", flush=True)  # fmt: skip
+        ms = timed(routing, q, k), timed(step, q, k, v, reps=3)
+        how = "fused kernel" if route == "fused" else f"XLA, top by {by}, {elements:,} per step"
+        print(f"n={n} routing ({how}): routing {ms[0]:.2f} ms, moba fwd+bwd {ms[1]:.2f} ms",
+              flush=True)  # fmt: skip
     routed.top_blocks = top_blocks
 
 

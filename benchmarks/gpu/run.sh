@@ -7,11 +7,13 @@
 #   benchmarks/gpu/run.sh train OUT     benchmarks/accelerator_train.py   -> OUT/train_run.md
 #   benchmarks/gpu/run.sh decode OUT    the test split at batches of 1 and 64 sentences, on
 #                                       train's run (DECODE_WORKDIR)     -> OUT/decode_batches.md
+#   benchmarks/gpu/run.sh routing OUT   benchmarks/routing_cost.py (MoBA's routing: XLA
+#                                       or the fused kernel)           -> OUT/routing_cost.txt
 #   benchmarks/gpu/run.sh dry OUT       all four, tiny, on whatever is here (CPU included)
 #
 # Extra arguments go to the command (e.g. `bench OUT --only train --minutes 3`).
 set -uo pipefail
-what=${1:?usage: run.sh tests|bench|train|decode|dry OUT [args]}; out=${2:?usage: run.sh ... OUT}
+what=${1:?usage: run.sh tests|bench|routing|train|decode|dry OUT [args]}; out=${2:?usage: run.sh ... OUT}
 shift 2
 cd "$(dirname "$0")/../.."
 mkdir -p "$out"
@@ -31,12 +33,15 @@ if [ "$what" = tests ] || [ "$what" = dry ]; then
   # are compile-bound, so this cuts their time on a short lease.
   par=(); [ "$what" = tests ] && "$PY" -c "import xdist" 2>/dev/null && par=(-n 4)
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=$platform "$PY" -m pytest -q \
-    -p no:cacheprovider -m gpu -rs "${par[@]}" tests/test_kernels.py tests/test_precision.py tests/test_band_gpu.py tests/test_block_sparse_gpu.py tests/test_routed_gpu.py "$@" \
+    -p no:cacheprovider -m gpu -rs "${par[@]}" tests/test_kernels.py tests/test_precision.py tests/test_band_gpu.py tests/test_block_sparse_gpu.py tests/test_routed_gpu.py tests/test_route_gpu.py "$@" \
     2>&1 | tee "$out/gpu_tests.log" || status=1
 fi
 tiny=(); [ "$what" = dry ] && tiny=(--tiny)
 if [ "$what" = bench ] || [ "$what" = dry ]; then
   "$PY" benchmarks/accelerator.py --out "$out" "${tiny[@]}" "$@" || status=1
+fi
+if [ "$what" = routing ] || [ "$what" = dry ]; then
+  "$PY" benchmarks/routing_cost.py "${tiny[@]}" "$@" 2>&1 | tee "$out/routing_cost.txt" || status=1
 fi
 if [ "$what" = train ] || [ "$what" = dry ]; then
   "$PY" benchmarks/accelerator_train.py --out "$out" "${tiny[@]}" "$@" || status=1

@@ -39,6 +39,7 @@ from jax import Array, lax
 
 from flaxformer_lite.sparse.online_softmax import normalise, pad_to, segment_mask
 from flaxformer_lite.sparse.plans import num_blocks
+from flaxformer_lite.sparse.route_gpu import fused_routing, tile_size
 from flaxformer_lite.sparse.routed_chunks import routed_chunks_partial
 from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
 from flaxformer_lite.sparse.routed_gpu import routed_block_attention
@@ -168,9 +169,12 @@ def per_block(fn, q: Array, block: int, width: int | None = None):
 
 
 def moba_routing(q, k, present, segments, block: int, top_k: int, causal: bool,
-                 block_gate: bool = False) -> Routing:  # fmt: skip
+                 block_gate: bool = False, fused: bool = False,
+                 interpret: bool | None = None) -> Routing:  # fmt: skip
     """MoBA's gate on ``[b, h, N, d]`` queries and keys: query . mean key per block (with
-    ``block_gate``: mean query . mean key, one choice per query block)."""
+    ``block_gate``: mean query . mean key, one choice per query block). ``fused``: the
+    per-query gate by :mod:`~flaxformer_lite.sparse.route_gpu` (one pass, no scores in
+    memory; the same table)."""
     b, h, N, _ = q.shape
     nb = N // block
     others = min(top_k - 1, nb - 1)
@@ -182,6 +186,9 @@ def moba_routing(q, k, present, segments, block: int, top_k: int, causal: bool,
         scores = jnp.einsum("bhad,bhjd->bhaj", pooled(q, present, block), means)
         table, valid = top_blocks(scores, block_candidates(present, segments, block), others)
         return Routing(jnp.repeat(table, block, 2), jnp.repeat(valid, block, 2))
+    if fused:
+        return Routing(*fused_routing(q, means, present, segments, block, others, causal,
+                                      interpret=interpret))  # fmt: skip
 
     def one(a, qa):  # [b, h, B, d]
         scores = jnp.einsum("bhqd,bhjd->bhqj", qa, means)
@@ -204,6 +211,7 @@ def moba_attention(
     routing_only: bool = False,
     kernel: str = "xla",
     interpret: bool | None = None,
+    route: str | None = None,
 ) -> Array | Routing:
     """MoBA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc);
     ``routing_only``: the :class:`Routing` it would read instead. ``kernel``: ``xla``
@@ -213,7 +221,10 @@ def moba_attention(
     inputs in their own dtype; ``interpret`` as there): a choice per query on
     :mod:`~flaxformer_lite.sparse.routed_gather_gpu` (key block by key block over the
     queries that chose it), a choice per query block on
-    :mod:`~flaxformer_lite.sparse.routed_gpu` (its tiles)."""
+    :mod:`~flaxformer_lite.sparse.routed_gpu` (its tiles). ``route``: ``xla``
+    (:func:`moba_routing`'s scores and top blocks) or ``fused``
+    (:mod:`~flaxformer_lite.sparse.route_gpu`, the same table); default fused on a GPU
+    for a per-query gate whose block is a multiple of 16."""
     if block_gate and causal:
         raise ValueError("moba's block_gate=1 routes a query block by all its queries, later "
                          "ones too: not causal; use block_gate=0 in causal attention")  # fmt: skip
@@ -225,7 +236,13 @@ def moba_attention(
     k, v = _layout(key, npad).astype(compute), _layout(value, npad).astype(compute)
     present = _present(n, npad, segments, b)
     seg = None if segments is None else pad_to(segments, npad, 1)
-    routing = moba_routing(q, k, present, seg, block, top_k, causal, block_gate)
+    if route is None:
+        on_gpu = jax.default_backend() == "gpu" and tile_size(block) is not None
+        route = "fused" if on_gpu and not block_gate else "xla"
+    if route not in ("xla", "fused") or (route == "fused" and block_gate):
+        raise ValueError(f"moba: route={route!r}: 'xla', or 'fused' for a per-query gate")
+    routing = moba_routing(q, k, present, seg, block, top_k, causal, block_gate,
+                           fused=route == "fused", interpret=interpret)  # fmt: skip
     if routing_only:
         return routing
     if kernel == "triton":  # a shared choice reads whole tiles; one per query, gathered rows
