@@ -254,8 +254,13 @@ def _evaluate(texts: list[str]) -> None:
 
 
 def _fields(texts: list[str]) -> None:
-    from flaxformer_lite.config.files import field_table  # no JAX: answers at once
+    from flaxformer_lite.config import ConfigError, ExperimentConfig  # no JAX: answers at once
+    from flaxformer_lite.config.files import field_table
 
+    try:  # a config's model.extensions: their registered names join the choices
+        _CONFIG.value is None or ExperimentConfig.from_config(_CONFIG.value)
+    except ConfigError as e:
+        _fail(str(e))
     print(field_table())
 
 
@@ -276,7 +281,7 @@ COMMANDS = {
     "sweep": Command(
         lambda texts: _sweep(), ("config", "sweep", "seeds", "parallel", "split", "limit", *DECODE)
     ),  # fmt: skip
-    "fields": Command(_fields, (), workdir=False),
+    "fields": Command(_fields, ("config",), workdir=False),
 }
 EVERY_COMMAND = ("workdir", "debug", "compilation_cache")  # --workdir where needed
 

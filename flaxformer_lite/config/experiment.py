@@ -22,7 +22,7 @@ import dataclasses
 import json
 from typing import Any, NamedTuple
 
-from flaxformer_lite.config import rules
+from flaxformer_lite.config import extensions, rules
 from flaxformer_lite.config.fields import (
     NON_NEGATIVE,
     POSITIVE,
@@ -381,6 +381,7 @@ class ExperimentConfig:
             )
         if "model" not in values:
             raise ConfigError("the config has no 'model' section; see configs/ende_small.py")
+        extensions.load(dict(values["model"]).get("extensions"))  # before names are checked
         sections = {name: kind.from_dict(values.get(name, {})) for name, kind in SECTIONS.items()}
         return cls(model=ModelConfig.from_dict(values["model"]), **sections)
 

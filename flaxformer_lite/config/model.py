@@ -39,7 +39,10 @@ __all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset"]
 # softmax (no n x n array); cudnn / splash: the GPU / TPU fused kernels.
 ATTENTION_IMPLS = ("blocked", "reference", "chunked", "cudnn", "splash")
 LN_POSITIONS = ("post", "pre")
-POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
+# Lists, not tuples: model/registry.py appends the names extensions register.
+POSITIONALS = ["sinusoidal", "learned", "rotary", "none"]
+FFNS = ["standard"]
+NORMS = ["layer_norm", "rms_norm"]
 TIE_EMBEDDINGS = ("none", "src_tgt", "tgt_softmax", "all")
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -103,6 +106,19 @@ class ModelConfig(Section):
     )
     scale_embeddings: bool = option(True, "multiply embeddings by sqrt(d_model) (paper)")
     activation: str = option("relu", "FFN activation (paper: max(0, .))", choices=ACTIVATIONS)
+    ffn: str = option(
+        "standard", "feed-forward block: standard = act(x W1) W2 (paper) | registered "
+        "(model/registry.py's register_ffn)", choices=FFNS,
+    )  # fmt: skip
+    norm: str = option(
+        "layer_norm", "normalisation of each residual block (and a pre-LN stack's end): "
+        "layer_norm (paper) | rms_norm | registered (register_norm)", choices=NORMS,
+    )  # fmt: skip
+    extensions: str = option(
+        "", "Python files or modules that register names (comma-separated), imported by "
+        "every command before the config is checked; training keeps a copy in the run "
+        "folder (docs/extending.md)",
+    )  # fmt: skip
     use_bias: bool = option(True, "biases in the attention projections")
     layer_norm_epsilon: float = option(1e-6, "LayerNorm epsilon", rule=POSITIVE)
     logits_bias: bool = option(

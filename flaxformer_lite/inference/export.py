@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 from flax import linen as nn
 
+from flaxformer_lite.config import extensions
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, PairTokenizer, Tokenizer
 from flaxformer_lite.inference.run import Run
@@ -51,11 +53,24 @@ class ExportError(ValueError):
     """The run cannot be written in the asked format; the message names the option."""
 
 
+def _registered(kind: str, name: str) -> str:
+    """`` (registered by lab/my_ext.py)`` for a name an extension registered."""
+    where = extensions.origin(kind, name)
+    return f", registered by the extension {where}" if where else ""
+
+
 def check(c: ModelConfig) -> list[str]:
     """Why ``c`` cannot be exported (one reason per option; empty if it can)."""
     reasons = []
+    if c.ffn != "standard":
+        reasons.append(f"model.ffn={c.ffn!r} (Marian's FFN is act(x W1) W2"
+                       f"{_registered('feed-forward block', c.ffn)})")  # fmt: skip
+    if c.norm != "layer_norm":
+        reasons.append(f"model.norm={c.norm!r} (Marian normalises by LayerNorm"
+                       f"{_registered('normalisation', c.norm)})")  # fmt: skip
     if c.positional != "sinusoidal":
-        reasons.append(f"model.positional={c.positional!r} (Marian adds a sinusoidal table)")
+        reasons.append(f"model.positional={c.positional!r} (Marian adds a sinusoidal table"
+                       f"{_registered('position encoding', c.positional)})")  # fmt: skip
     if c.tie_embeddings != "all":
         reasons.append(
             f"model.tie_embeddings={c.tie_embeddings!r} (the layout shares one table "
@@ -64,9 +79,12 @@ def check(c: ModelConfig) -> list[str]:
     if not c.scale_embeddings:
         reasons.append("model.scale_embeddings=False (Marian scales them by sqrt(d_model))")
     if c.score_fn != "scaled_dot":
-        reasons.append(f"model.score_fn={c.score_fn!r} (Marian scores by scaled dot products)")
+        reasons.append(f"model.score_fn={c.score_fn!r} (Marian scores by scaled dot products"
+                       f"{_registered('score function', c.score_fn)})")  # fmt: skip
     if c.attention_pattern != "dense":
-        reasons.append(f"model.attention_pattern={c.attention_pattern!r} (a sparse pattern)")
+        names = [a.partition(":")[0].strip() for a in re.split(r"[|&+]", c.attention_pattern)]
+        ours = "".join(dict.fromkeys(_registered("sparse pattern", n) for n in names))
+        reasons.append(f"model.attention_pattern={c.attention_pattern!r} (a sparse pattern{ours})")
     if c.activation not in ACTIVATIONS:
         reasons.append(f"model.activation={c.activation!r} (not one of {', '.join(ACTIVATIONS)})")
     if c.lexical_shortcut:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite.config import rules
+from flaxformer_lite.config import extensions, rules
 from flaxformer_lite.model import partitioning as P
 from flaxformer_lite.model.dropout import dropout
 
@@ -43,8 +43,8 @@ def register_score_fn(name: str) -> Callable[[ScoreFactory], ScoreFactory]:
     """Decorator: register ``factory(*, num_heads, head_dim, dtype, param_dtype, module_name)``."""
 
     def wrap(factory: ScoreFactory) -> ScoreFactory:
-        if name in _SCORE_FNS:
-            raise ValueError(f"score function {name!r} is already registered")
+        if not extensions.claim("score function", name, factory, taken=name in _SCORE_FNS):
+            return factory  # the same code again (a run's copy of an extension)
         _SCORE_FNS[name] = factory
         rules.add_score_function(name)  # a valid model.score_fn from now on
         return factory

@@ -34,7 +34,6 @@ from flaxformer_lite.model.embedding import (
     SinusoidalPositions,
     default_positions,
 )
-from flaxformer_lite.model.feedforward import FeedForward
 from flaxformer_lite.model.lexical import LexicalShortcut
 from flaxformer_lite.model.masks import (
     SegmentIds,
@@ -44,6 +43,7 @@ from flaxformer_lite.model.masks import (
     make_segment_mask,
 )
 from flaxformer_lite.model.multihead import MultiHeadAttention
+from flaxformer_lite.model.registry import added_positions, ffn_layer, norm_layer
 from flaxformer_lite.model.stacks import rematerialized, scanned
 
 
@@ -59,22 +59,11 @@ def shift_right(tokens: Array, bos_id: int, positions: Array | None = None) -> A
     return shifted
 
 
-def _layer_norm(c: ModelConfig, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=c.layer_norm_epsilon,
-        dtype=c.compute_dtype,
-        param_dtype=c.parameter_dtype,
-        scale_init=P.param_init(nn.initializers.ones_init(), P.EMBED),
-        bias_init=P.param_init(nn.initializers.zeros_init(), P.EMBED),
-        name=name,
-    )
-
-
 def _residual(
     c: ModelConfig, x: Array, sublayer: Callable[[Array], Array], name: str, deterministic: bool
 ) -> Array:
     """post-LN: LN(x + Dropout(f(x))) (paper); pre-LN: x + Dropout(f(LN(x)))."""
-    norm = _layer_norm(c, f"{name}_norm")
+    norm = norm_layer(c, f"{name}_norm")
     drop = Dropout(c.residual_dropout, c.dropout_bits)
     if c.ln_position == "pre":
         x = x + drop(sublayer(norm(x)), deterministic=deterministic)
@@ -119,7 +108,7 @@ class EncoderLayer(nn.Module):
             "self_attention",
             deterministic,
         )
-        ffn = FeedForward(c, name="ffn")
+        ffn = ffn_layer(c)
         return _residual(c, x, lambda h: ffn(h, deterministic=deterministic), "ffn", deterministic)
 
 
@@ -161,7 +150,7 @@ class DecoderLayer(nn.Module):
                 "cross_attention",
                 deterministic,
             )
-        ffn = FeedForward(c, name="ffn")
+        ffn = ffn_layer(c)
         return _residual(c, x, lambda h: ffn(h, deterministic=deterministic), "ffn", deterministic)
 
 
@@ -182,6 +171,8 @@ def _embed_with_positions(
         x = x + LearnedPositions(
             c.max_len, c.d_model, c.compute_dtype, c.parameter_dtype, name="positions"
         )(positions)
+    elif (added := added_positions(c)) is not None:  # a registered encoding
+        x = x + added(positions).astype(x.dtype)
     return _residual_stream(
         Dropout(c.embedding_dropout, c.dropout_bits)(x, deterministic=deterministic)
     )
@@ -230,7 +221,7 @@ class Encoder(nn.Module):
         for i in range(0 if c.scan_layers else c.num_encoder_layers):
             x = layer_class(c, layer=i, name=f"layer_{i}")(x, mask, deterministic, positions)
         if c.ln_position == "pre":
-            x = _layer_norm(c, "final_norm")(x)
+            x = norm_layer(c, "final_norm")(x)
         return x
 
 
@@ -285,7 +276,7 @@ class Decoder(nn.Module):
                 x, encoded, self_mask, cross_mask, deterministic, decode, positions
             )
         if c.ln_position == "pre":
-            x = _layer_norm(c, "final_norm")(x)
+            x = norm_layer(c, "final_norm")(x)
         if c.lexical_shortcut and self.has_cross_attention:
             if source_embedded is None:
                 raise ValueError("config.lexical_shortcut needs source_embedded")

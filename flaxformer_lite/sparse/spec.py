@@ -125,9 +125,12 @@ def register_pattern(name: str, defaults: dict[str, int | None]):
     """
 
     def add(factory: PatternFactory) -> PatternFactory:
-        if name in _ATOMS or not name.isidentifier():
-            raise ValueError(f"sparse pattern name {name!r} is taken or not an identifier")
-        _ATOMS[name] = (dict(defaults), factory)
+        from flaxformer_lite.config import extensions  # config/ imports this module
+
+        if not name.isidentifier():
+            raise ValueError(f"sparse pattern name {name!r} is not an identifier")
+        if extensions.claim("sparse pattern", name, factory, taken=name in _ATOMS):
+            _ATOMS[name] = (dict(defaults), factory)
         return factory
 
     return add

@@ -59,6 +59,7 @@ from flaxformer_lite.sweep.record import RESULTS_JSONL, SPEC_FILE
 from flaxformer_lite.sweep.report import METRICS, summarize
 from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError, parse_axis
 from flaxformer_lite.training.flops import train_step_flops
+from flaxformer_lite.workdir.folder import read_config
 
 RESULT_FILE = "sweep_result.json"  # in a run's folder: the run is finished
 RESULTS_MD = "results.md"
@@ -171,7 +172,7 @@ def execute(
     if _CHILDREN.stopping or "stopped by SIG" in _tail(folder / "train.log", 2):
         # A preempted run checkpoints and exits 0 without finishing: not a result.
         return {**row, "status": "failed", "error": "interrupted"}
-    config = ExperimentConfig.from_config(json.loads((folder / "config.json").read_text()))
+    config = read_config(folder)  # with the run's copies of its extensions
     scores = {}
     if sweep.split and config.data.task != "lm":  # BLEU, or a generated task's accuracy
         evaluate = [

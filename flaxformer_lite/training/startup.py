@@ -40,9 +40,10 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message names the cause and the fix."""
 
 
-# Fields a resumed run may change: where the data lives, and how the same model is
-# computed (its layers scanned or unrolled: checkpoints convert; recomputed or kept).
-HOW = ("data_dir", "scan_layers", "remat")
+# Fields a resumed run may change: where the data lives, how the same model is
+# computed (its layers scanned or unrolled: checkpoints convert; recomputed or kept),
+# and where its extensions' files are (their code is checked by SHA-256 instead).
+HOW = ("data_dir", "scan_layers", "remat", "extensions")
 
 
 def check_workdir(config, workdir: Path) -> None:
@@ -253,6 +254,14 @@ def with_imported_model(config: ExperimentConfig, workdir: Path) -> ExperimentCo
     from may be gone)."""
     if not config.train.init_from:
         return config
+    c = config.model
+    for field, standard in (("ffn", "standard"), ("norm", "layer_norm")):
+        if getattr(c, field) != standard:
+            raise TrainingError(
+                f"train.init_from={config.train.init_from}: model.{field}="
+                f"{getattr(c, field)!r} cannot hold a Marian model's weights (its blocks are "
+                f"model.{field}={standard!r}); drop model.{field}, or train without init_from"
+            )
     previous = read_config(workdir) if (workdir / "config.json").is_file() else None
     if previous is not None and previous.train.init_from == config.train.init_from:
         imported = previous.model

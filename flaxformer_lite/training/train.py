@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 
+from flaxformer_lite.config import extensions
 from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.data import pipeline
 from flaxformer_lite.inference import diagnostics
@@ -100,6 +101,7 @@ def _train(
     startup.stop_if_asked(stop, "while starting")
     par = startup.parallelism(config)
     if jax.process_index() == 0:
+        extensions.keep(config.model.extensions, workdir)  # the run's code, kept with it
         write_config(workdir, config.to_json())
     startup.write_imported_tokenizer(config, workdir)
     data = startup.prepare_data(config, workdir)

@@ -3,6 +3,7 @@
 Layout of a workdir::
 
   config.json               the experiment config of the run (checked on resume)
+  extensions/               copies of model.extensions' files, manifest.json their SHA-256
   tokenizer.model           the run's sentencepiece model (an imported pair: a zip)
   corpus.json               which files a files:PATH run trained on (their fingerprint)
   metrics.jsonl, tensorboard/   what training measured
@@ -23,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flaxformer_lite.config import extensions
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.fields import ConfigError
 
@@ -54,7 +56,10 @@ def read_config(workdir: str | Path) -> ExperimentConfig | None:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); restore or delete it") from e
     try:
+        extensions.load_kept(workdir)  # the run's copies stand for the files it names
         return ExperimentConfig.from_config(values)
+    except extensions.ExtensionError as e:
+        raise CheckpointError(str(e)) from e
     except ConfigError as e:
         raise CheckpointError(
             f"{path} is not a config this version can read ({e}); restore it, or train in "
