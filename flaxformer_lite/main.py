@@ -133,6 +133,9 @@ _SWEEP = flags.DEFINE_multi_string(
 )
 _SEEDS = flags.DEFINE_integer("seeds", 3, "sweep: runs per point, seeds train.seed + 0..N-1.")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "sweep: runs at a time.")
+_BASELINE = flags.DEFINE_string(
+    "baseline", "", "sweep: a point (e.g. model.ffn=standard) the report tests the others against."
+)
 
 _OUTPUT = flags.DEFINE_string(
     "output",
@@ -279,7 +282,8 @@ COMMANDS = {
     "attention": Command(_attention, ("output", "target", *DECODE), texts=True),
     "diagnostics": Command(_diagnostics, ("pattern", "input", "output", *DECODE), texts=True),
     "sweep": Command(
-        lambda texts: _sweep(), ("config", "sweep", "seeds", "parallel", "split", "limit", *DECODE)
+        lambda texts: _sweep(),
+        ("config", "sweep", "seeds", "parallel", "baseline", "split", "limit", *DECODE),
     ),  # fmt: skip
     "fields": Command(_fields, ("config",), workdir=False),
 }
@@ -386,7 +390,7 @@ def _sweep() -> None:
     sweep_main(
         config_flags.get_config_filename(config_flag), _SWEEP.value, _SEEDS.value,
         dict(config_flags.get_override_values(config_flag)), _WORKDIR.value,
-        split=_SPLIT.value, limit=_LIMIT.value, parallel=_PARALLEL.value,
+        split=_SPLIT.value, limit=_LIMIT.value, parallel=_PARALLEL.value, baseline=_BASELINE.value,
         decode_flags=tuple(f"--{k}={v}" for k, v in _decode_options().items() if v is not None),
     )  # fmt: skip
 

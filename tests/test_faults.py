@@ -276,6 +276,7 @@ def test_an_unreadable_checkpoint_falls_back_to_the_one_before(
         Translator.from_workdir(run)
 
 
+@pytest.mark.slow  # ~30 s; its in-process form in the default run: a stop while resuming
 def test_sigterm_checkpoints_and_exits_cleanly(fixture_data, tmp_path):
     """Preemption: SIGTERM after a few steps finishes the step, saves it, prints the
     resume command and exits 0; resuming reaches the end like an uninterrupted run."""

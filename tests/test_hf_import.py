@@ -150,6 +150,7 @@ def test_refused_before_anything_is_written(tmp_path, opus):
     assert sorted(p.name for p in broken.iterdir()) == ["config.json"]
 
 
+@pytest.mark.slow  # ~35 s; the default run keeps the logits and greedy outputs' parity
 def test_import_then_translate_evaluate_fine_tune_and_export_back(
     tmp_path, opus, fixture_data, one_device
 ):

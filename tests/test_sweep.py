@@ -210,10 +210,11 @@ def test_cli_rejects_a_bad_spec_before_running(fixture_data, tmp_path):
 
 @pytest.mark.parametrize(
     "seeds,split",
-    # 2 runs by default, trained and validated (the test split's BLEU is the evaluate
-    # command's, tested in test_translate.py; here it would double the subprocesses);
-    # 4 runs scored on the test split, and the resume through the CLI, in the slow run.
-    [(1, ""), pytest.param(2, "test", marks=pytest.mark.slow)],
+    # Both in the slow run (~35 s and ~90 s of subprocesses): 2 runs trained and
+    # validated; 4 runs scored on the test split and the resume through the CLI. The
+    # default run keeps the spec, the table, the read-back of finished runs and the
+    # report against a baseline (test_significance.py), all in process.
+    [pytest.param(1, "", marks=pytest.mark.slow), pytest.param(2, "test", marks=pytest.mark.slow)],
 )
 def test_debug_sweep_runs_tabulates_and_resumes(fixture_data, tmp_path, seeds, split):
     raw, data_dir = fixture_data

@@ -164,9 +164,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def keep(text: str | None, workdir: str | Path) -> None:
-    """Copy each extension into ``workdir/extensions`` with its SHA-256 (training, at the
-    start). A resumed run checks that its extensions are the code it was trained with."""
+def verify(text: str | None, workdir: str | Path) -> list[dict[str, str]]:
+    """The records of ``model.extensions``' files against what ``workdir`` kept (a
+    resumed run): each must be code the run was trained with, else an ExtensionError
+    naming the file and the fix. Checked before the run's copies are read, so that a
+    changed file is named as such (not as a name registered twice)."""
     workdir = Path(workdir)
     kept = _manifest(workdir)
     by_sha = {r["sha256"]: r for r in kept}
@@ -174,25 +176,38 @@ def keep(text: str | None, workdir: str | Path) -> None:
     for entry in entries(text):
         path = source(entry)
         sha = digest(path)
-        if kept:
-            if sha in by_sha:
-                records.append({**by_sha[sha], "entry": entry})
-                continue
-            same = next((r for r in kept if r["entry"] == entry), None)
-            copy = workdir / FOLDER / (same or kept[0])["copy"]
+        if not kept:
+            records.append({"entry": entry, "path": str(path), "sha256": sha})
+        elif sha in by_sha:
+            records.append({**by_sha[sha], "entry": entry})
+        else:
+            same = next((r for r in kept if r["entry"] == entry), None) or kept[0]
             raise ExtensionError(
                 f"{entry} changed since --workdir={workdir} was trained with it (SHA-256 "
-                f"{sha[:12]} now, the run kept {(same or kept[0])['sha256'][:12]}); restore "
-                f"the run's code (its copy: {copy}), or train the changed code in a new --workdir"
+                f"{sha[:12]} now, the run kept {same['sha256'][:12]}); restore the run's code "
+                f"(its copy: {workdir / FOLDER / same['copy']}), or train the changed code in "
+                "a new --workdir"
             )
-        names = {r["copy"] for r in records}
-        copy = f"{path.stem}.py"
+    return records
+
+
+def keep(text: str | None, workdir: str | Path) -> None:
+    """Copy each extension into ``workdir/extensions`` with its SHA-256 (training, at the
+    start). A resumed run checks that its extensions are the code it was trained with."""
+    workdir = Path(workdir)
+    if _manifest(workdir):
+        verify(text, workdir)
+        return
+    records, names = [], set()
+    for r in verify(text, workdir):
+        copy = f"{Path(r['path']).stem}.py"
         while copy in names:
-            copy = f"{path.stem}_{len(names)}.py"
-        records.append({"entry": entry, "copy": copy, "sha256": sha})
+            copy = f"{Path(r['path']).stem}_{len(names)}.py"
+        names.add(copy)
         (workdir / FOLDER).mkdir(parents=True, exist_ok=True)
-        _write_atomic(workdir / FOLDER / copy, path.read_bytes())
-    if records and not kept:
+        _write_atomic(workdir / FOLDER / copy, Path(r["path"]).read_bytes())
+        records.append({"entry": r["entry"], "copy": copy, "sha256": r["sha256"]})
+    if records:
         _write_atomic(workdir / FOLDER / MANIFEST, json.dumps(records, indent=2).encode())
 
 

@@ -55,6 +55,7 @@ from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.builders import LOCAL_BUILDERS, build_local_dataset
 from flaxformer_lite.inference.run import Run
+from flaxformer_lite.sweep import significance
 from flaxformer_lite.sweep.record import RESULTS_JSONL, SPEC_FILE
 from flaxformer_lite.sweep.report import METRICS, summarize
 from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError, parse_axis
@@ -249,7 +250,7 @@ def _tb_value(value: Any) -> Any:
 
 def sweep_main(
     config: str, axes: list[str], seeds: int, overrides: dict, workdir: str, *,
-    split: str, limit: int, parallel: int, decode_flags: tuple[str, ...],
+    split: str, limit: int, parallel: int, decode_flags: tuple[str, ...], baseline: str = "",
 ) -> None:  # fmt: skip
     """``main sweep``: the grid of ``axes`` (``section.field=v1,v2``) over ``config`` with
     its ``overrides``, run in ``workdir``; a SweepError names the runs that failed.
@@ -260,10 +261,11 @@ def sweep_main(
     spec = Sweep(
         config=config, axes=tuple(parse_axis(a) for a in axes), seeds=seeds,
         overrides=overrides, split=split, limit=limit, decode_flags=decode_flags,
+        baseline=baseline,
     )  # fmt: skip
     rows = run_sweep(spec, workdir, parallel=parallel)
     failed = [r["run"] for r in rows if r.get("status") != "ok"]
-    print(f"results: {workdir}/{RESULTS_MD}, {workdir}/{RESULTS_JSONL}")
+    print(f"results: {workdir}/{RESULTS_MD}, {workdir}/{RESULTS_JSONL}, {workdir}/results.png")
     if failed:
         raise SweepError(
             f"{len(failed)} of {len(rows)} runs failed: {', '.join(failed)} (see their train.log)"
@@ -325,7 +327,15 @@ def run_sweep(
         _CHILDREN.stopping = False
     ordered = [rows[r.folder] for r in runs]
     _write_atomic(workdir / RESULTS_JSONL, "".join(json.dumps(r) + "\n" for r in ordered))
-    _write_atomic(workdir / RESULTS_MD, summarize(sweep, ordered))
+    text = summarize(sweep, ordered)
+    baseline, verdicts = None, None
+    if sweep.baseline:
+        points = [(r.folder.rpartition("/")[0], r.overrides) for r in runs]
+        baseline = significance.find_baseline(points, sweep.baseline)
+        section, verdicts = significance.report(ordered, baseline, sweep.split, workdir)
+        text += section
+    _write_atomic(workdir / RESULTS_MD, text)
+    significance.figure(ordered, baseline, sweep.split, workdir, verdicts)
     return ordered
 
 

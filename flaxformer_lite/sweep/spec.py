@@ -170,6 +170,7 @@ class Sweep:
     split: str = "test"  # scored with BLEU after training (translation); '' = none
     limit: int = 0  # sentences of that split (0 = all)
     decode_flags: tuple[str, ...] = ()  # extra evaluate flags, e.g. ("--beam_size=1",)
+    baseline: str = ""  # a point (its folder or fields) the report compares the others with
 
     def __post_init__(self):
         if self.seeds < 1:
@@ -220,6 +221,10 @@ class Sweep:
     def validate(self) -> list[RunSpec]:
         """Every run's config checked (types, ranges, cross-field rules) before any runs."""
         runs = self.runs()
+        if self.baseline:  # a typo fails now, not after the runs
+            from flaxformer_lite.sweep.significance import find_baseline
+
+            find_baseline([(r.folder.rpartition("/")[0], r.overrides) for r in runs], self.baseline)
         for spec in runs[:: self.seeds]:
             try:
                 load_config(self.config_path, self.config_arg, {**self.overrides, **spec.overrides})
@@ -248,4 +253,5 @@ class Sweep:
             "seeds": self.seeds,
             "split": self.split,
             "limit": self.limit,
+            "baseline": self.baseline,
         }

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.config import extensions
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.mesh import MeshError
 from flaxformer_lite.data import assembly, packing, pipeline
@@ -57,6 +58,7 @@ def check_workdir(config, workdir: Path) -> None:
         raise TrainingError(
             f"cannot write to --workdir={workdir} ({e.strerror}); choose a writable folder"
         ) from e
+    extensions.verify(config.model.extensions, workdir)  # a changed file, named as such
     previous = read_config(workdir)
     if previous is None:
         return
