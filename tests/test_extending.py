@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import ModelConfig, Transformer
-from flaxformer_lite.config import rules
+from flaxformer_lite.config import extensions, rules
 from flaxformer_lite.config.model import ConfigError
 from flaxformer_lite.model import attention
 from flaxformer_lite.model.partitioning import unbox
@@ -31,6 +31,8 @@ def registered():
         exec(compile(code, "docs/extending.md", "exec"), namespace)  # noqa: S102
     yield namespace
     attention._SCORE_FNS.pop("cosine", None)
+    extensions._ORIGINS.pop(("score function", "cosine"), None)
+    extensions._ORIGINS.pop(("sparse pattern", "local_dilated"), None)
     if "cosine" in rules.SCORE_FUNCTIONS:
         rules.SCORE_FUNCTIONS.remove("cosine")
     spec._ATOMS.pop("local_dilated", None)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flaxformer_lite.config.fields import ConfigError
+from flaxformer_lite.sparse import spec
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # flaxformer_lite/: its names are built in
 FOLDER = "extensions"
@@ -137,6 +138,9 @@ def claim(kind: str, name: str, factory: Any, taken: bool) -> bool:
         )
     _ORIGINS[(kind, name)] = (where, code)
     return before is None
+
+
+spec.CLAIM[0] = claim  # sparse patterns: the same rule (sparse/ imports nothing above it)
 
 
 def origin(kind: str, name: str) -> str | None:

@@ -114,6 +114,17 @@ class PatternSpecError(ValueError):
 PatternFactory = Callable[[dict, int, int], P.Pattern]
 
 
+def _first_claim(kind: str, name: str, factory: PatternFactory, taken: bool) -> bool:
+    if taken:
+        raise ValueError(f"{kind} {name!r} is taken (built in); register yours under another name")
+    return True
+
+
+# Whether a registration goes ahead (kind, name, factory, name taken) -> bool:
+# config/extensions.py installs its rule (the same code may register a name again).
+CLAIM = [_first_claim]
+
+
 def register_pattern(name: str, defaults: dict[str, int | None]):
     """Decorator: make ``name`` a pattern of the spec grammar (and so of
     ``model.attention_pattern``). ``defaults`` are its integer keys;
@@ -125,11 +136,9 @@ def register_pattern(name: str, defaults: dict[str, int | None]):
     """
 
     def add(factory: PatternFactory) -> PatternFactory:
-        from flaxformer_lite.config import extensions  # config/ imports this module
-
         if not name.isidentifier():
             raise ValueError(f"sparse pattern name {name!r} is not an identifier")
-        if extensions.claim("sparse pattern", name, factory, taken=name in _ATOMS):
+        if CLAIM[0]("sparse pattern", name, factory, name in _ATOMS):
             _ATOMS[name] = (dict(defaults), factory)
         return factory
 

@@ -26,25 +26,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from flaxformer_lite.sweep.spec import find_baseline
+
+__all__ = ["compare", "figure", "find_baseline", "paired_bootstrap", "report", "t_test"]
+
 ALPHA = 0.05
 RESAMPLES = 1000
 
 
 def _label(row: dict[str, Any]) -> str:
     return row["run"].rpartition("/")[0]
-
-
-def find_baseline(points: list[tuple[str, dict[str, Any]]], baseline: str) -> str:
-    """The folder name of the point ``baseline`` names: its folder (``ffn=standard``) or
-    its fields (``model.ffn=standard``, several joined by ``,``)."""
-    for folder, overrides in points:
-        long = ",".join(f"{k}={v}" for k, v in overrides.items())
-        if baseline in (folder, long):
-            return folder
-    names = ", ".join(f for f, _ in points)
-    from flaxformer_lite.sweep.spec import SweepError
-
-    raise SweepError(f"--baseline={baseline!r} is not a point of this sweep; its points: {names}")
 
 
 def _translations(folder: Path, split: str) -> tuple[list[str], list[str]] | None:

@@ -222,8 +222,6 @@ class Sweep:
         """Every run's config checked (types, ranges, cross-field rules) before any runs."""
         runs = self.runs()
         if self.baseline:  # a typo fails now, not after the runs
-            from flaxformer_lite.sweep.significance import find_baseline
-
             find_baseline([(r.folder.rpartition("/")[0], r.overrides) for r in runs], self.baseline)
         for spec in runs[:: self.seeds]:
             try:
@@ -255,3 +253,14 @@ class Sweep:
             "limit": self.limit,
             "baseline": self.baseline,
         }
+
+
+def find_baseline(points: list[tuple[str, dict[str, Any]]], baseline: str) -> str:
+    """The folder name of the point ``baseline`` names: its folder (``ffn=standard``) or
+    its fields (``model.ffn=standard``, several joined by ``,``)."""
+    for folder, overrides in points:
+        long = ",".join(f"{k}={v}" for k, v in overrides.items())
+        if baseline in (folder, long):
+            return folder
+    names = ", ".join(f for f, _ in points)
+    raise SweepError(f"--baseline={baseline!r} is not a point of this sweep; its points: {names}")
