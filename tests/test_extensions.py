@@ -28,7 +28,8 @@ LAB = """
 import flax.linen as nn
 import jax.numpy as jnp
 from flaxformer_lite.model.attention import dot_scores, register_score_fn
-from flaxformer_lite.model.registry import register_ffn, register_norm, register_positional
+from flaxformer_lite.model.registry import (
+    register_attention, register_ffn, register_norm, register_positional)
 from flaxformer_lite.sparse import patterns
 from flaxformer_lite.sparse.spec import register_pattern
 
@@ -56,6 +57,19 @@ class Ramp(nn.Module):
         return jnp.broadcast_to(positions[..., None] / 100.0, (*positions.shape, self.d_model))
 
 
+class NoAttention(nn.Module):  # an ablation: each position sees only itself
+    config: object
+    layer: int = 0
+    causal: bool = False
+    self_attention: bool = True
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_kv=None, mask=None, *, deterministic=True,
+                 decode=False, positions=None):
+        return nn.Dense(self.config.d_model, name="proj")(inputs_q)
+
+
+register_attention("t_none")(lambda c, name, **kw: NoAttention(c, name=name, **kw))
 register_ffn("t_glu")(lambda c, name: Glu(c, name=name))
 register_norm("t_scale")(lambda c, name: ScaleOnly(name=name))
 register_positional("t_ramp")(lambda c, name: Ramp(c.d_model, name=name))
@@ -83,9 +97,16 @@ def test_a_lab_file_registers_every_extension_point(tmp_path):
     c = ExperimentConfig.from_config(
         _config(path, ffn="t_glu", norm="t_scale", positional="t_ramp", score_fn="t_neg")
     ).model
+    plain = ExperimentConfig.from_config(_config(path, attention="t_none")).model
     assert ExperimentConfig.from_config(_config(path, attention_pattern="t_band:window=3"))
     table = field_table().splitlines()
-    for field, name in (("ffn", "t_glu"), ("norm", "t_scale"), ("positional", "t_ramp")):
+    pairs = (
+        ("ffn", "t_glu"),
+        ("norm", "t_scale"),
+        ("positional", "t_ramp"),
+        ("attention", "t_none"),
+    )
+    for field, name in pairs:
         at = next(i for i, x in enumerate(table) if f"model.{field}:" in x)
         assert f"| {name}]" in table[at + 1]  # `fields` lists it among the choices
     with pytest.raises(ConfigError, match=r"model.ffn='t_gl'.*t_glu"):
@@ -100,6 +121,10 @@ def test_a_lab_file_registers_every_extension_point(tmp_path):
     base = model.apply({"params": params}, src, tgt)
     none = Transformer(c.replace(positional="none")).apply({"params": params}, src, tgt)
     assert float(jnp.abs(base - none).max()) > 1e-4
+    # the attention sublayer replaced: self and cross-attention alike
+    params = unbox(Transformer(plain).init(jax.random.key(0), src, tgt))["params"]
+    layer = params["decoder"]["layer_0"]
+    assert set(layer["self_attention"]) == set(layer["cross_attention"]) == {"proj"}
 
 
 def test_a_name_is_registered_once(tmp_path):
@@ -107,7 +132,7 @@ def test_a_name_is_registered_once(tmp_path):
     same = _lab(tmp_path / "b")  # the same code elsewhere (a run's copy): accepted
     ExperimentConfig.from_config(_config(same))
     other = _lab(tmp_path / "c", "\nregister_ffn('t_glu')(lambda c, name: None)\n")
-    with pytest.raises(ConfigError, match=r"'t_glu' is already registered by other code"):
+    with pytest.raises(ConfigError, match=r"'t_\w+' is already registered by other code"):
         ExperimentConfig.from_config(_config(other))
     from flaxformer_lite.model.registry import register_norm
 

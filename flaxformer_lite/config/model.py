@@ -43,6 +43,7 @@ LN_POSITIONS = ("post", "pre")
 POSITIONALS = ["sinusoidal", "learned", "rotary", "none"]
 FFNS = ["standard"]
 NORMS = ["layer_norm", "rms_norm"]
+ATTENTIONS = ["multihead"]
 TIE_EMBEDDINGS = ("none", "src_tgt", "tgt_softmax", "all")
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -113,6 +114,10 @@ class ModelConfig(Section):
     norm: str = option(
         "layer_norm", "normalisation of each residual block (and a pre-LN stack's end): "
         "layer_norm (paper) | rms_norm | registered (register_norm)", choices=NORMS,
+    )  # fmt: skip
+    attention: str = option(
+        "multihead", "attention sublayer (self and cross): multihead (paper) | registered "
+        "(register_attention: MultiHeadAttention's call)", choices=ATTENTIONS,
     )  # fmt: skip
     extensions: str = option(
         "", "Python files or modules that register names (comma-separated), imported by "

@@ -65,6 +65,9 @@ def check(c: ModelConfig) -> list[str]:
     if c.ffn != "standard":
         reasons.append(f"model.ffn={c.ffn!r} (Marian's FFN is act(x W1) W2"
                        f"{_registered('feed-forward block', c.ffn)})")  # fmt: skip
+    if c.attention != "multihead":
+        reasons.append(f"model.attention={c.attention!r} (Marian's attention is multi-head"
+                       f"{_registered('attention layer', c.attention)})")  # fmt: skip
     if c.norm != "layer_norm":
         reasons.append(f"model.norm={c.norm!r} (Marian normalises by LayerNorm"
                        f"{_registered('normalisation', c.norm)})")  # fmt: skip

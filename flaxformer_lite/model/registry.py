@@ -1,9 +1,10 @@
 """The layer extension points an ablation touches besides score functions and sparse
 patterns: the feed-forward block (``model.ffn``), the normalisation around each
-sublayer and after a pre-LN stack (``model.norm``) and an added position encoding
-(``model.positional``). Each is a registry of the shape of ``register_score_fn``: a
-decorator that names a factory, after which the config accepts the name (and lists it
-among the field's choices in errors, ``fields`` and ``sweep``)::
+sublayer and after a pre-LN stack (``model.norm``), an added position encoding
+(``model.positional``) and the whole attention sublayer (``model.attention``). Each
+is a registry of the shape of ``register_score_fn``: a decorator that names a factory,
+after which the config accepts the name (and lists it among the field's choices in
+errors, ``fields`` and ``sweep``)::
 
     @register_ffn("glu")
     def _glu(config, name):            # -> a flax module: module(x, deterministic=...)
@@ -12,6 +13,9 @@ among the field's choices in errors, ``fields`` and ``sweep``)::
     @register_norm("scale_only")       # -> module(x)
     @register_positional("alibi_like") # -> module(positions [b, l]) -> [b, l, d_model],
                                        #    added to the embeddings
+    @register_attention("my_attention")  # factory(config, name, layer=, causal=,
+                                       #   self_attention=) -> a module called as
+                                       #   MultiHeadAttention is (decode= included)
 
 Factories get the :class:`ModelConfig` and the submodule's name, and are called inside
 the layer's compact method (their parameters live under that name). Built in:
@@ -27,9 +31,10 @@ from collections.abc import Callable
 import flax.linen as nn
 
 from flaxformer_lite.config import extensions
-from flaxformer_lite.config.model import FFNS, NORMS, POSITIONALS, ModelConfig
+from flaxformer_lite.config.model import ATTENTIONS, FFNS, NORMS, POSITIONALS, ModelConfig
 from flaxformer_lite.model import partitioning as P
 from flaxformer_lite.model.feedforward import FeedForward
+from flaxformer_lite.model.multihead import MultiHeadAttention
 
 Factory = Callable[[ModelConfig, str], nn.Module]
 
@@ -50,12 +55,12 @@ class _Registry:
 
         return add
 
-    def make(self, config: ModelConfig, value: str, name: str) -> nn.Module:
+    def make(self, config: ModelConfig, value: str, name: str, **kw) -> nn.Module:
         if value not in self.factories:
             raise ValueError(
                 f"unknown {self.kind} {value!r}; registered: {', '.join(self.factories)}"
             )
-        return self.factories[value](config, name)
+        return self.factories[value](config, name, **kw)
 
 
 def _layer_norm(c: ModelConfig, name: str) -> nn.Module:
@@ -84,10 +89,15 @@ FFN = _Registry("feed-forward block", FFNS, {"standard": lambda c, name: FeedFor
 NORM = _Registry("normalisation", NORMS, {"layer_norm": _layer_norm, "rms_norm": _rms_norm})
 # sinusoidal, learned, rotary and none are computed where they act (embedding, attention)
 POSITIONAL = _Registry("position encoding", POSITIONALS, {})
+ATTENTION = _Registry(
+    "attention layer", ATTENTIONS,
+    {"multihead": lambda c, name, **kw: MultiHeadAttention(c, name=name, **kw)},
+)  # fmt: skip
 
 register_ffn = FFN.register
 register_norm = NORM.register
 register_positional = POSITIONAL.register
+register_attention = ATTENTION.register
 
 
 def ffn_layer(c: ModelConfig, name: str = "ffn") -> nn.Module:
@@ -96,6 +106,13 @@ def ffn_layer(c: ModelConfig, name: str = "ffn") -> nn.Module:
 
 def norm_layer(c: ModelConfig, name: str) -> nn.Module:
     return NORM.make(c, c.norm, name)
+
+
+def attention_layer(c: ModelConfig, name: str, **kw) -> nn.Module:
+    """The attention sublayer ``name``: ``kw`` as MultiHeadAttention's fields (``layer``,
+    ``causal``, ``self_attention``), called as it is (queries, keys/values or None,
+    mask, deterministic=, decode=, positions=)."""
+    return ATTENTION.make(c, c.attention, name, **kw)
 
 
 def added_positions(c: ModelConfig) -> nn.Module | None:

@@ -42,8 +42,12 @@ from flaxformer_lite.model.masks import (
     make_padding_mask,
     make_segment_mask,
 )
-from flaxformer_lite.model.multihead import MultiHeadAttention
-from flaxformer_lite.model.registry import added_positions, ffn_layer, norm_layer
+from flaxformer_lite.model.registry import (
+    added_positions,
+    attention_layer,
+    ffn_layer,
+    norm_layer,
+)
 from flaxformer_lite.model.stacks import rematerialized, scanned
 
 
@@ -100,7 +104,7 @@ class EncoderLayer(nn.Module):
         positions: Array | None = None,
     ) -> Array:
         c = self.config
-        attn = MultiHeadAttention(c, layer=self.layer, name="self_attention")
+        attn = attention_layer(c, "self_attention", layer=self.layer)
         x = _residual(
             c,
             x,
@@ -131,7 +135,7 @@ class DecoderLayer(nn.Module):
         positions: Array | None = None,
     ) -> Array:
         c = self.config
-        self_attn = MultiHeadAttention(c, layer=self.layer, causal=True, name="self_attention")
+        self_attn = attention_layer(c, "self_attention", layer=self.layer, causal=True)
         x = _residual(
             c,
             x,
@@ -142,7 +146,7 @@ class DecoderLayer(nn.Module):
             deterministic,
         )
         if self.has_cross_attention:
-            cross = MultiHeadAttention(c, self_attention=False, name="cross_attention")
+            cross = attention_layer(c, "cross_attention", self_attention=False)
             x = _residual(
                 c,
                 x,

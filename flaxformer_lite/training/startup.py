@@ -257,7 +257,11 @@ def with_imported_model(config: ExperimentConfig, workdir: Path) -> ExperimentCo
     if not config.train.init_from:
         return config
     c = config.model
-    for field, standard in (("ffn", "standard"), ("norm", "layer_norm")):
+    for field, standard in (
+        ("ffn", "standard"),
+        ("norm", "layer_norm"),
+        ("attention", "multihead"),
+    ):
         if getattr(c, field) != standard:
             raise TrainingError(
                 f"train.init_from={config.train.init_from}: model.{field}="
