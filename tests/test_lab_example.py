@@ -58,10 +58,15 @@ def test_the_lab_example_from_training_to_the_sweep_report(fixture_data, tmp_pat
         ["average", w, "--num=2"],
         ["attention", w, "Where is it?"],
         ["translate", "--workdir=runs/cosine", "Good morning."],
+        ["evaluate", "--workdir=runs/cosine", "--limit=8"],
+        ["attention", "--workdir=runs/cosine", "Good morning."],
+        ["export", "--workdir=runs/cosine"],
         ["export", w],
     ])  # fmt: skip
-    for result in after[:-1]:
+    for result in after[:-2]:
         assert result["code"] == 0, result["stderr"][-3000:]
+    cosine = after[-2]  # the score function cannot be written for Marian either
+    assert cosine["code"] == 1 and "model.score_fn='lab_cosine'" in cosine["stderr"]
     assert (tmp_path / "runs/variant/test_scores.json").is_file()
     assert (tmp_path / "runs/variant/attention/attention.html").is_file()
     refused = after[-1]

@@ -192,6 +192,26 @@ def _readme_commands() -> list[list[str]]:
     return [shlex.split(line) for line in joined.splitlines() if line.strip() and line[0] != "#"]
 
 
+def test_the_readmes_own_data_commands_name_real_flags_and_fields():
+    """The cheap form of the test below (slow: it runs them): every flag of the README's
+    commands is one its command reads, every --config.x.y a field."""
+    from flaxformer_lite import main
+    from flaxformer_lite.config.files import field_table
+
+    fields = {line.split(":")[0].strip() for line in field_table().splitlines() if ": " in line}
+    for command in _readme_commands():
+        args = command[3:]
+        name = args[0] if args and not args[0].startswith("-") else "train"
+        allowed = {*main.COMMANDS[name].flags, *main.EVERY_COMMAND}
+        for arg in (a for a in args if a.startswith("--")):
+            flag = arg[2:].split("=")[0]
+            if flag.startswith("config."):
+                assert flag[len("config.") :] in fields, arg
+            else:
+                assert flag in allowed, (name, arg)
+
+
+@pytest.mark.slow  # ~30 s of command lines; the cheap form above checks their flags
 def test_the_readmes_own_data_commands_run_as_written(tmp_path):
     """The README's commands on a generated corpus, each as written but for the config's
     `:debug` variant (seconds, not minutes), the corpus's and run's folders, and a
