@@ -33,10 +33,21 @@ def get_config(arg: str | None = None):
     config = base_config(model)
     # The lab's names become valid values once this is imported (by every command):
     config.model.extensions = str(Path(__file__).resolve().with_name("my_ext.py"))
+    # The demo's data recipe (configs/ende_small.py says why): dictionary phrases as
+    # extra pairs, drawn anew each epoch, and PPMI-initialised embeddings.
+    config.data.train_splits = "train,train_phrases:8000"
+    config.data.aux_min_count = 2
+    config.data.aux_tag = "<dict>"
+    config.data.resample_subsets = True
     config.data.max_length = 64
+    config.train.embedding_init = "ppmi"
+    config.train.embedding_init_splits = "train,train_phrases"
     config.train.batch_size = 32
-    config.train.max_minutes = 5.0
-    config.train.num_steps = 2000
+    config.train.concurrent_splits = 2
+    # Equal steps for every point, whatever the machine's load (no wall-clock budget):
+    # 600 steps is ~6 minutes on 2 CPU cores, where the demo's model reaches ~5.5 BLEU.
+    config.train.max_minutes = 0.0
+    config.train.num_steps = 600
     config.train.log_every = 20
     config.train.eval_every = 100
     config.train.checkpoint_every = 100
