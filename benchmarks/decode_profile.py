@@ -63,6 +63,12 @@ def timed(f, *args, rounds: int) -> float:
     return statistics.median(times)
 
 
+def _touch(tree) -> jax.Array:
+    """A scalar that reads every leaf (so that XLA keeps every loop-carried value: one
+    leaf alone would let it drop the others' work)."""
+    return sum(jnp.sum(x[:1].astype(jnp.float32)) for x in jax.tree.leaves(tree) if x.ndim)
+
+
 def _profile(model, params, src, k: int, t: int, L: int, rounds: int) -> dict[str, float]:
     """ms per step of each part: (time of 2t steps - time of t steps) / t, the steps a
     traced argument, so that one program of each part runs both (its fixed costs, the
@@ -102,12 +108,11 @@ def _profile(model, params, src, k: int, t: int, L: int, rounds: int) -> dict[st
             rows = (jnp.arange(n) // k) * k + (jnp.arange(n) + i) % k  # another beam
             return take_cache_rows(cache, rows, beams_only=True)
 
-        return jax.tree.leaves(lax.fori_loop(0, steps, body, cache))[0]
+        return _touch(lax.fori_loop(0, steps, body, cache))
 
     def loop_steps(p, s, steps):
         _, cache = start(p, s)
-        out = lax.fori_loop(0, steps, lambda i, c: jax.tree.map(lambda x: x + 0, c), cache)
-        return jax.tree.leaves(out)[0]
+        return _touch(lax.fori_loop(0, steps, lambda i, c: jax.tree.map(lambda x: x + 0, c), cache))
 
     parts = {"search": search, "model": model_steps, "loop": loop_steps}
     if k > 1:
