@@ -53,8 +53,18 @@ class ExportError(ValueError):
     """The run cannot be written in the asked format; the message names the option."""
 
 
+# Fields whose values registries extend: (field, Marian's value, registry, why not).
+REGISTERED = (
+    ("ffn", "standard", "feed-forward block", "Marian's FFN is act(x W1) W2"),
+    ("attention", "multihead", "attention layer", "Marian's attention is multi-head"),
+    ("norm", "layer_norm", "normalisation", "Marian normalises by LayerNorm"),
+    ("positional", "sinusoidal", "position encoding", "Marian adds a sinusoidal table"),
+    ("score_fn", "scaled_dot", "score function", "Marian scores by scaled dot products"),
+)
+
+
 def _registered(kind: str, name: str) -> str:
-    """`` (registered by lab/my_ext.py)`` for a name an extension registered."""
+    """``, registered by the extension lab/my_ext.py`` for a name an extension registered."""
     where = extensions.origin(kind, name)
     return f", registered by the extension {where}" if where else ""
 
@@ -62,18 +72,10 @@ def _registered(kind: str, name: str) -> str:
 def check(c: ModelConfig) -> list[str]:
     """Why ``c`` cannot be exported (one reason per option; empty if it can)."""
     reasons = []
-    if c.ffn != "standard":
-        reasons.append(f"model.ffn={c.ffn!r} (Marian's FFN is act(x W1) W2"
-                       f"{_registered('feed-forward block', c.ffn)})")  # fmt: skip
-    if c.attention != "multihead":
-        reasons.append(f"model.attention={c.attention!r} (Marian's attention is multi-head"
-                       f"{_registered('attention layer', c.attention)})")  # fmt: skip
-    if c.norm != "layer_norm":
-        reasons.append(f"model.norm={c.norm!r} (Marian normalises by LayerNorm"
-                       f"{_registered('normalisation', c.norm)})")  # fmt: skip
-    if c.positional != "sinusoidal":
-        reasons.append(f"model.positional={c.positional!r} (Marian adds a sinusoidal table"
-                       f"{_registered('position encoding', c.positional)})")  # fmt: skip
+    for field, marian, kind, why in REGISTERED:
+        value = getattr(c, field)
+        if value != marian:
+            reasons.append(f"model.{field}={value!r} ({why}{_registered(kind, value)})")
     if c.tie_embeddings != "all":
         reasons.append(
             f"model.tie_embeddings={c.tie_embeddings!r} (the layout shares one table "
@@ -81,9 +83,6 @@ def check(c: ModelConfig) -> list[str]:
         )
     if not c.scale_embeddings:
         reasons.append("model.scale_embeddings=False (Marian scales them by sqrt(d_model))")
-    if c.score_fn != "scaled_dot":
-        reasons.append(f"model.score_fn={c.score_fn!r} (Marian scores by scaled dot products"
-                       f"{_registered('score function', c.score_fn)})")  # fmt: skip
     if c.attention_pattern != "dense":
         names = [a.partition(":")[0].strip() for a in re.split(r"[|&+]", c.attention_pattern)]
         ours = "".join(dict.fromkeys(_registered("sparse pattern", n) for n in names))

@@ -26,7 +26,7 @@ from flaxformer_lite.config.mesh import MeshError
 from flaxformer_lite.data import assembly, packing, pipeline
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.inference import hf_import
-from flaxformer_lite.inference.export import ExportError
+from flaxformer_lite.inference.export import REGISTERED, ExportError
 from flaxformer_lite.model.build import attention_kernels
 from flaxformer_lite.model.partitioning import check_model
 from flaxformer_lite.training import distributed, preemption
@@ -257,11 +257,7 @@ def with_imported_model(config: ExperimentConfig, workdir: Path) -> ExperimentCo
     if not config.train.init_from:
         return config
     c = config.model
-    for field, standard in (
-        ("ffn", "standard"),
-        ("norm", "layer_norm"),
-        ("attention", "multihead"),
-    ):
+    for field, standard, _, _ in REGISTERED[:3]:  # blocks that hold Marian's weights
         if getattr(c, field) != standard:
             raise TrainingError(
                 f"train.init_from={config.train.init_from}: model.{field}="
