@@ -163,16 +163,28 @@ def nsa_attention(
             query, key, value, local, block_size=block, q_segments=segments,
             kv_segments=segments, scale=scale,
         )  # fmt: skip
+    # Gated in the head-major layout of q and the compressed branch, one gate at a
+    # time: the gates' [b, n, h, 3] einsum and the branches in token order made
+    # XLA:CPU's forward+backward 1.3x slower at 16k tokens (2.94 s against 2.27).
     branches = {
-        "compressed": jnp.swapaxes(out_c[:, :, :n], 1, 2),
-        "selected": out_s.astype(compute),
-        "window": out_w.astype(compute),
+        "compressed": out_c[:, :, :n],
+        "selected": jnp.swapaxes(out_s.astype(compute), 1, 2),
+        "window": jnp.swapaxes(out_w.astype(compute), 1, 2),
     }
-    logits = jnp.einsum("bnhd,hdc->bnhc", query.astype(compute), params["gate_w"])
-    gates = jax.nn.sigmoid(logits + params["gate_b"])
-    out = sum(gates[..., c : c + 1] * branches[name] for c, name in enumerate(BRANCHES))
-    out = out.astype(query.dtype)
-    return (out, branches, gates, routing) if parts else out
+    unscaled = jnp.swapaxes(query, 1, 2).astype(compute)  # [b, h, n, d]
+    gates = [
+        jax.nn.sigmoid(
+            jnp.einsum("bhnd,hd->bhn", unscaled, params["gate_w"][..., c])
+            + params["gate_b"][None, :, None, c]
+        )
+        for c in range(len(BRANCHES))
+    ]
+    out = sum(g[..., None] * branches[name] for g, name in zip(gates, BRANCHES, strict=True))
+    out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
+    if not parts:
+        return out
+    tokens = {name: jnp.swapaxes(x, 1, 2) for name, x in branches.items()}
+    return out, tokens, jnp.stack(gates, axis=-1).transpose(0, 2, 1, 3), routing
 
 
 def _softmax_attend(scores: Array, mask: Array, values: Array) -> Array:
