@@ -308,6 +308,40 @@ def test_sampling_seeds_and_zero_temperature(model_params):
     assert not np.array_equal(a, c)
 
 
+def test_inverse_cdf_matches_float64_and_skips_impossible_tokens():
+    # 300 tokens in blocks of 128 (the last block padded); every third logit filtered.
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 300)) * 2
+    logits[:, ::3] = constraints.NEG_INF
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    cdf = np.cumsum(p, axis=1) / p.sum(axis=1, keepdims=True)
+    u = rng.uniform(size=(200, 4))
+    u[0], u[1] = 0.0, np.nextafter(np.float32(1), np.float32(0))  # both ends of [0, 1)
+    got = np.stack([np.asarray(constraints.inverse_cdf(jnp.asarray(logits, jnp.float32),
+                                                       jnp.asarray(x, jnp.float32)))
+                    for x in u])  # fmt: skip
+    want = np.stack([[np.searchsorted(cdf[r], x[r], side="right") for r in range(4)] for x in u])
+    want = np.minimum(want, 299)
+    # float32 sums of ~128 terms: a u within 1e-5 of a boundary may fall either side
+    gap = np.abs(cdf[np.arange(4), np.maximum(want - 1, 0)] - u)
+    near = np.minimum(gap, np.abs(cdf[np.arange(4), want] - u)) < 1e-5
+    assert (got == want)[~near].all() and (~near).sum() > 700
+    assert (got % 3 != 0).all() and (got < 300).all()  # never a filtered token or padding
+
+
+def test_draw_frequencies():
+    # 20,000 draws of [.5, .3, .15, .05, 0]: each frequency within 5 standard
+    # deviations sqrt(p (1 - p) / n) <= 0.0036 of its probability (binomial spread).
+    probs = np.array([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = jnp.log(jnp.asarray(np.maximum(probs, 1e-30), jnp.float32))
+    logits = jnp.where(jnp.asarray(probs) > 0, logits, constraints.NEG_INF)
+    keys = jax.random.split(jax.random.key(3), 20_000)
+    tokens = np.asarray(jax.vmap(lambda k: constraints.draw(k, logits[None], block=2)[0])(keys))
+    freq = np.bincount(tokens, minlength=5) / len(tokens)
+    np.testing.assert_allclose(freq, probs, atol=5 * 0.0036)
+    assert freq[4] == 0
+
+
 def test_filter_logits_top_k_and_top_p():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     k2 = constraints.filter_logits(logits, top_k=2)

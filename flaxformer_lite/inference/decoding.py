@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from flaxformer_lite.config.experiment import BEAM_STOPS
-from flaxformer_lite.inference.constraints import NEG_INF, constrain, filter_logits
+from flaxformer_lite.inference.constraints import NEG_INF, constrain, draw, filter_logits
 from flaxformer_lite.inference.stepping import (
     Stepper,
     block_top_k,
@@ -132,7 +132,7 @@ def sample(
             token = block_top_k(logits, 1)[1][:, 0]
         else:
             scaled = filter_logits(logits / temperature, top_k, top_p)
-            token = jax.random.categorical(jax.random.fold_in(rng, i), scaled, axis=-1)
+            token = draw(jax.random.fold_in(rng, i), scaled)
         if prefix is not None:
             forced = r["prefix"][:, i]
             token = jnp.where(forced > 0, forced, token)
