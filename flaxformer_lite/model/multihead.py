@@ -292,6 +292,8 @@ class MultiHeadAttention(nn.Module):
         steps = key.shape[1]
         cache_len = cached_key.value.shape[2]
         i = index.value
+        if i.ndim:  # a position per row (continuous batching)
+            return self._per_row_cache(key, value, mask, patterns, cached_key, cached_value, index)
         # _in_dim: the other indices take i's integer type (int32 under x64 too).
         cached_key.value = lax.dynamic_update_slice_in_dim(
             cached_key.value, _head_major(key), i, axis=2
@@ -307,6 +309,25 @@ class MultiHeadAttention(nn.Module):
             cache_mask = cache_mask & self._pattern_mask(
                 patterns, q_pos, k_pos, cache_len, query, cached_key.value
             )
+        return (
+            _head_major(cached_key.value),
+            _head_major(cached_value.value),
+            combine_masks(mask, cache_mask),
+        )
+
+    def _per_row_cache(self, key, value, mask, patterns, cached_key, cached_value, index):
+        """One step with each row at its own position ``index [b]`` (a row whose
+        sentence ended takes the next one from position 0: its older entries lie beyond
+        its position, masked, and are overwritten as it goes)."""
+        if patterns is not None or key.shape[1] != 1:
+            raise ValueError("a position per row: dense self-attention, one step at a time")
+        i = index.value
+        rows = jnp.arange(i.shape[0])
+        cached_key.value = cached_key.value.at[rows, :, i].set(key[:, 0])
+        cached_value.value = cached_value.value.at[rows, :, i].set(value[:, 0])
+        index.value = i + 1
+        k_pos = jnp.arange(cached_key.value.shape[2])
+        cache_mask = (k_pos[None, :] <= i[:, None])[:, None, None, :]
         return (
             _head_major(cached_key.value),
             _head_major(cached_value.value),

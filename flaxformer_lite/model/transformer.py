@@ -315,7 +315,9 @@ class Decoder(nn.Module):
         index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
         steps = tokens.shape[1]
         if positions is None:
-            positions = jnp.broadcast_to(index.value + jnp.arange(steps), tokens.shape)
+            # index: a scalar, or one position per row (continuous batching)
+            here = jnp.reshape(index.value, (-1, 1)) + jnp.arange(steps)
+            positions = jnp.broadcast_to(here, tokens.shape)
         if not creating:
             index.value = index.value + steps
         return positions

@@ -1,0 +1,61 @@
+"""Continuous batching (inference/continuous.py): each sentence's greedy output equals
+the batched search's, whatever the slots and the sentences beside it."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite import LanguageModel, Transformer
+from flaxformer_lite.inference import decoding
+from flaxformer_lite.inference.continuous import greedy_continuous
+from flaxformer_lite.model.partitioning import unbox
+from tests.test_decoding import CFG
+
+KW = dict(max_length=12, eos_id=3, bos_id=2)  # 3: the sharpened model ends some rows
+
+
+@pytest.fixture(scope="module")
+def queue():
+    """9 sources of 6 pieces (some padded), a rotary model (positions per row matter),
+    sharpened like the decoding tests' so that EOS ends rows at different steps."""
+    model = Transformer(dataclasses.replace(CFG, positional="rotary"))
+    src = np.array(jax.random.randint(jax.random.key(0), (9, 6), 3, CFG.vocab_size))
+    src[:, -1] = 1  # EOS
+    src[[1, 4, 7], 2:] = [1, 0, 0, 0]
+    src = jnp.asarray(src)
+    params = unbox(model.init(jax.random.key(3), src, src))["params"]
+    return model, jax.tree.map(lambda x: x * 1.5, params), src
+
+
+@pytest.mark.parametrize("slots", [1, 3, 9])
+def test_continuous_greedy_equals_batched(queue, slots):
+    model, params, src = queue
+    limits = jnp.array([12, 5, 0, 12, 3, 12, 8, 12, 1])  # a limit of 0 writes nothing
+    want = decoding.sample(model, params, src, limit=limits, shrink=0, **KW)
+    got, rows = greedy_continuous(model, params, src, slots=slots, limit=limits, **KW)
+    np.testing.assert_array_equal(got, want)
+    # every sentence's steps (to its EOS or limit; one for a limit of 0), no more
+    eos = np.asarray(want) == KW["eos_id"]
+    assert eos.any(axis=1).sum() >= 2  # rows that end by EOS, others by their limits
+    needed = np.where(eos.any(axis=1), np.argmax(eos, axis=1) + 1, np.asarray(limits))
+    assert int(rows) == int(np.maximum(needed, 1).sum())
+
+
+def test_continuous_refuses_sparse_and_a_step_of_many_positions(queue):
+    model, params, src = queue
+    sparse = Transformer(dataclasses.replace(CFG, attention_pattern="local:window=4"))
+    with pytest.raises(ValueError, match="dense self-attention"):
+        greedy_continuous(sparse, params, src, slots=2, **KW)
+    lm = LanguageModel(dataclasses.replace(CFG, num_encoder_layers=0))
+    lm_params = unbox(lm.init(jax.random.key(0), src))["params"]
+    _, cache = lm.apply({"params": lm_params}, src, decode=True, mutable=["cache"])
+    per_row = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros((9,), jnp.int32) if "index" in jax.tree_util.keystr(p) else x,
+        cache["cache"],
+    )
+    with pytest.raises(ValueError, match="one step at a time"):
+        lm.apply({"params": lm_params, "cache": per_row}, src[:, :2], decode=True,
+                 mutable=["cache"])  # fmt: skip
