@@ -35,13 +35,25 @@ def test_continuous_greedy_equals_batched(queue, slots):
     model, params, src = queue
     limits = jnp.array([12, 5, 0, 12, 3, 12, 8, 12, 1])  # a limit of 0 writes nothing
     want = decoding.sample(model, params, src, limit=limits, shrink=0, **KW)
-    got, rows = greedy_continuous(model, params, src, slots=slots, limit=limits, **KW)
+    got, rows = greedy_continuous(
+        model, params, src, slots=slots, limit=limits, count_rows=True, **KW
+    )
     np.testing.assert_array_equal(got, want)
     # every sentence's steps (to its EOS or limit; one for a limit of 0), no more
     eos = np.asarray(want) == KW["eos_id"]
     assert eos.any(axis=1).sum() >= 2  # rows that end by EOS, others by their limits
     needed = np.where(eos.any(axis=1), np.argmax(eos, axis=1) + 1, np.asarray(limits))
     assert int(rows) == int(np.maximum(needed, 1).sum())
+
+
+def test_continuous_count_leaves_the_padding_rows(queue):
+    model, params, src = queue
+    want = decoding.sample(model, params, src[:6], shrink=0, **KW)
+    got, rows = greedy_continuous(model, params, src, slots=4, count=6, count_rows=True, **KW)
+    np.testing.assert_array_equal(got[:6], want)
+    assert not np.asarray(got[6:]).any()
+    eos = np.asarray(want) == KW["eos_id"]
+    assert int(rows) == int(np.where(eos.any(1), np.argmax(eos, 1) + 1, 12).sum())
 
 
 def test_continuous_refuses_sparse_and_a_step_of_many_positions(queue):

@@ -40,6 +40,24 @@ def test_translate_returns_strings_in_order(run):
     )
 
 
+def test_continuous_greedy_translates_as_batches_do(run):
+    """Greedy by continuous batching (the default) gives each sentence what the batch
+    by batch search gives: two source widths, several batches each, 1 and 2 streams.
+    The tiny run's outputs repeat a word to the limit, so each sentence's limit (its
+    source pieces + 2) makes them differ: a sentence given another's slot shows."""
+    workdir, _ = run
+    t = Translator.from_workdir(workdir)
+    words = "the of sentence number this is a".split()
+    sentences = [" ".join(words[(i + j) % 7] for j in range(1 + i)) for i in range(20)]
+    sentences += [f"This is sentence number {i}." for i in range(5)]
+    t.decode = t.decode.replace(batch_tokens=64, streams=1, continuous=False, max_extra=2)
+    want = t.translate(sentences, beam_size=1)
+    assert len(set(want)) > 10
+    for streams in (1, 2):
+        t.decode = t.decode.replace(streams=streams, continuous=True)
+        assert t.translate(sentences, beam_size=1) == want
+
+
 def test_bad_input_messages(run, monkeypatch):
     workdir, _ = run
     t = Translator.from_workdir(workdir)

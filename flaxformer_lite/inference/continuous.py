@@ -38,7 +38,9 @@ from flaxformer_lite.inference.stepping import (
 INDEX_LEAVES = ("cache_index", "position_index")
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_length", "eos_id", "bos_id", "slots"))
+@functools.partial(
+    jax.jit, static_argnames=("model", "max_length", "eos_id", "bos_id", "slots", "count_rows")
+)
 def greedy_continuous(
     model: nn.Module,
     params,
@@ -49,12 +51,17 @@ def greedy_continuous(
     bos_id: int,
     slots: int,
     limit: Array | None = None,
-) -> tuple[Array, Array]:
+    count: Array | None = None,
+    count_rows: bool = False,
+) -> Array | tuple[Array, Array]:
     """Greedy decoding of every row of ``inputs [m, src]`` through ``slots`` decoding
-    rows, in queue order; returns (``[m, max_length]`` ids, the row-steps run).
+    rows, in queue order; returns ``[m, max_length]`` ids (``count_rows``: and the
+    row-steps run).
 
     ``limit`` (traced; a scalar or ``[m]``): at most that many tokens per sentence,
-    as :func:`~flaxformer_lite.inference.decoding.sample`'s."""
+    as :func:`~flaxformer_lite.inference.decoding.sample`'s. ``count`` (traced): only
+    the first ``count`` rows are decoded, the others (padding the queue to a size
+    that compiles once for many test sets) stay zeros and cost no step."""
     if model.config.sparse_attention:
         raise ValueError("continuous batching needs dense self-attention (one index per row)")
     m = inputs.shape[0]
@@ -62,6 +69,7 @@ def greedy_continuous(
     limits = jnp.broadcast_to(
         jnp.full((m,), max_length, jnp.int32) if limit is None else limit, (m,)
     )
+    count = jnp.int32(m) if count is None else jnp.minimum(count, m)
     stepper = Stepper(model, params, inputs)
     store = stepper.init_cache(m, 1)  # the queue's cross-attention keys; 1 position
     cache = grown(take_cache_rows(store, jnp.arange(s)), max_length)
@@ -74,8 +82,8 @@ def greedy_continuous(
         "src": jnp.arange(s, dtype=jnp.int32),  # each slot's sentence
         "last": jnp.full((s,), bos_id, jnp.int32),
         "step": jnp.zeros((s,), jnp.int32),  # tokens the slot's sentence has
-        "active": jnp.ones((s,), bool),
-        "next": jnp.int32(s),  # the queue's next sentence
+        "active": jnp.arange(s) < count,
+        "next": jnp.minimum(count, s),  # the queue's next sentence
         "out": jnp.zeros((m + 1, max_length), jnp.int32),  # row m: a finished slot's writes
         "rows": jnp.int32(0),
     }
@@ -94,7 +102,7 @@ def greedy_continuous(
         # Free slots take the next sentences, in queue order.
         free = ~active
         new = state["next"] + jnp.cumsum(free) - 1
-        take = free & (new < m)
+        take = free & (new < count)
         src = jnp.where(take, new, src)
         cache = lax.cond(jnp.any(take), _refill, lambda c, *_: c, cache, store, take, src)
         state = {
@@ -109,7 +117,7 @@ def greedy_continuous(
         return state, cache
 
     state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
-    return state["out"][:m], state["rows"]
+    return (state["out"][:m], state["rows"]) if count_rows else state["out"][:m]
 
 
 def _refill(cache, store, take: Array, src: Array):

@@ -17,6 +17,7 @@ source length + 50 tokens), and returned in input order.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections import Counter
@@ -33,6 +34,7 @@ from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.inference import batching, decoding
 from flaxformer_lite.inference.ahead import Ahead, Call, default_streams
+from flaxformer_lite.inference.continuous import greedy_continuous
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
@@ -243,22 +245,59 @@ class Translator:
                 )
         encoded = self._encode([sentences[i] for i in todo], report)
         c = self.config
-        batches, calls = [], []
+        groups = []
         for idx, rows, longest in batching.batches(
             encoded, c.max_len, d.batch_tokens, self.batch_size
         ):
             limit = batching.output_limit(longest, d, c.max_len, max_length)
             size = batching.output_limit(rows.shape[1], d, c.max_len, max_length)
             lengths = [len(encoded[i]) - 1 for i in idx]
-            batches.append(idx)
-            calls.append(self._search(rows, lengths, limit, size, d, bool(max_length)))
+            groups.append((idx, rows, limit, size, lengths))
+        streams = d.streams or default_streams(self.params)
+        plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
+        if d.beam_size == 1 and plain and d.continuous and not c.sparse_attention:
+            batches, calls = self._queues(groups, d, bool(max_length), streams)
+        else:
+            batches = [g[0] for g in groups]
+            calls = [self._search(r, n, lim, w, d, bool(max_length)) for _, r, lim, w, n in groups]
         # The wider batches' searches compile meanwhile; on CPU two batches run at once.
-        with Ahead(calls, d.streams or default_streams(self.params)) as ahead:
+        with Ahead(calls, streams) as ahead:
             for idx, ids in zip(batches, ahead.results(), strict=True):
                 ids = ids[0][:, 0] if isinstance(ids, tuple) else ids  # beams: the best
                 for r, tokens in zip(idx, decoding.strip(ids, c.eos_id), strict=False):
                     results[todo[r]] = self.tokenizer.decode(tokens)
         return results
+
+    def _queues(self, groups, d, given_limit: bool, streams: int):
+        """Greedy decoding by continuous batching (:mod:`~flaxformer_lite.inference.
+        continuous`): each source width's sentences dealt to ``streams`` queues in turn,
+        each queue one search with a batch's rows as its slots. A queue is padded to
+        ``slots * 2^j`` rows (one program serves test sets of similar sizes); each
+        sentence's limit is :meth:`_search`'s, so the outputs are the same."""
+        c, out, calls = self.config, [], []
+        for _, same in itertools.groupby(groups, key=lambda g: g[1].shape[1]):
+            same = list(same)
+            idx = [i for g in same for i in g[0]]
+            rows = np.concatenate([g[1][: len(g[0])] for g in same])
+            n = np.asarray([x for g in same for x in g[4]])
+            top = max(g[2] for g in same)
+            own = np.full(len(n), top) if given_limit else np.minimum(n + 1 + d.max_extra, top)
+            size = decoding.bucket(max(top, same[0][3]), c.max_len)
+            slots = same[0][1].shape[0]
+            for part in range(min(streams, len(idx))):
+                mine = np.arange(part, len(idx), streams)
+                m = slots * 2 ** math.ceil(math.log2(math.ceil(len(mine) / slots)))
+                padded = np.zeros((m, rows.shape[1]), np.int32)
+                padded[: len(mine)] = rows[mine]
+                limits = np.zeros(m, np.int32)
+                limits[: len(mine)] = own[mine]
+                out.append([idx[r] for r in mine])
+                calls.append(Call(
+                    greedy_continuous, self.model, self.params, jnp.asarray(padded),
+                    max_length=size, eos_id=c.eos_id, bos_id=c.bos_id, slots=slots,
+                    limit=jnp.asarray(limits), count=jnp.int32(len(mine)),
+                ))  # fmt: skip
+        return out, calls
 
     def _search(
         self, rows: np.ndarray, lengths: list[int], limit: int, widest: int, d,
