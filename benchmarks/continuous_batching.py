@@ -80,7 +80,7 @@ def main() -> None:
     def one_queue(q):
         rows, limit = jnp.asarray(src[q]), jnp.asarray(out_len[q])
         return jax.block_until_ready(
-            greedy_continuous(model, params, rows, slots=b, limit=limit, **kw)
+            greedy_continuous(model, params, rows, slots=b, limit=limit, count_rows=True, **kw)
         )
 
     def batched():

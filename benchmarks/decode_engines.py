@@ -54,15 +54,19 @@ sys.path.insert(0, str(ROOT))
 from flaxformer_lite.data import sources  # noqa: E402
 from flaxformer_lite.inference import decoding, export  # noqa: E402
 from flaxformer_lite.inference.ahead import default_streams  # noqa: E402
+from flaxformer_lite.inference.continuous import greedy_continuous  # noqa: E402
 from flaxformer_lite.inference.evaluation import corpus_scores  # noqa: E402
 from flaxformer_lite.inference.translate import Translator  # noqa: E402
 
 
 def compiles() -> int:
-    return decoding.beam_search._cache_size() + decoding.sample._cache_size()
+    searches = (decoding.beam_search, decoding.sample, greedy_continuous)
+    return sum(f._cache_size() for f in searches)
 
 
-def first_calls(workdir: str, texts, beams: int, stop: str, alpha: float) -> dict:
+def first_calls(
+    workdir: str, texts, beams: int, stop: str, alpha: float, continuous: bool = True
+) -> dict:
     """This process's first and second translate call (seconds), the outputs of the
     second and the programs loaded from the persistent compilation cache."""
     hits = []
@@ -70,7 +74,7 @@ def first_calls(workdir: str, texts, beams: int, stop: str, alpha: float) -> dic
         lambda event, **_: hits.append(1) if event.endswith("/cache_hits") else None
     )
     translator = Translator.from_workdir(workdir)
-    translator.decode = translator.decode.replace(beam_stop=stop)
+    translator.decode = translator.decode.replace(beam_stop=stop, continuous=continuous)
     options = dict(beam_size=beams, alpha=alpha, no_repeat_ngram=0)
     times, outputs = [], None
     for _ in range(2):
@@ -80,14 +84,15 @@ def first_calls(workdir: str, texts, beams: int, stop: str, alpha: float) -> dic
     return {"first": times[0], "second": times[1], "outputs": outputs, "hits": len(hits)}
 
 
-def cached_first_call(args, beams: int, stop: str, folder: Path) -> dict:
+def cached_first_call(args, beams: int, stop: str, folder: Path, continuous: bool) -> dict:
     """Two fresh processes on one new persistent cache folder: the first compiles and
     fills it, the second's first call finds its searches there. Every program is
     kept (``main`` keeps those that took 0.5 s to compile)."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(folder))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     command = [sys.executable, __file__, f"--workdir={args.workdir}", f"--alpha={args.alpha}",
-               f"--limit={args.limit}", f"--first_calls={beams},{stop}"]  # fmt: skip
+               f"--limit={args.limit}",
+               f"--first_calls={beams},{stop},{int(continuous)}"]  # fmt: skip
     runs = []
     for _ in range(2):
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -131,7 +136,7 @@ def main() -> None:
         help="e.g. 1,64: the table at batches of that many sentences, greedy and beam 4, on "
         "jax's device (the accelerator's table); writes decode_batches.{json,md}",
     )  # fmt: skip
-    parser.add_argument("--first_calls", help=argparse.SUPPRESS)  # BEAMS,STOP: a child's run
+    parser.add_argument("--first_calls", help=argparse.SUPPRESS)  # BEAMS,STOP,CONTINUOUS: a child's run
     args = parser.parse_args()
     probe = Translator.from_workdir(args.workdir)
     run = probe.run
@@ -140,8 +145,9 @@ def main() -> None:
     pairs = pairs[: args.limit] if args.limit else pairs
     texts, refs = [p[0] for p in pairs], [p[1] for p in pairs]
     if args.first_calls:
-        beams, stop = args.first_calls.split(",")
-        print(json.dumps(first_calls(args.workdir, texts, int(beams), stop, args.alpha)))
+        beams, stop, cont = args.first_calls.split(",")
+        found = first_calls(args.workdir, texts, int(beams), stop, args.alpha, cont == "1")
+        print(json.dumps(found))
         return
     if args.batch_sizes:
         batch_table(args, run, texts, refs)
@@ -161,8 +167,11 @@ def main() -> None:
         })  # fmt: skip
         print(rows[-1], flush=True)
 
-    modes = [("greedy", 1, "exact"), ("beam 4", 4, "exact"), ("beam 4", 4, "current"),
-             ("beam 4", 4, "finished")]  # fmt: skip
+    # (mode, beams, beam_stop, decode.continuous): greedy by continuous batching (the
+    # default) and batch by batch
+    modes = [("greedy", 1, "exact", True), ("greedy", 1, "exact", False),
+             ("beam 4", 4, "exact", True), ("beam 4", 4, "current", True),
+             ("beam 4", 4, "finished", True)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         folders = {
             fmt: export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
@@ -177,11 +186,11 @@ def main() -> None:
 
         engine_seconds = {}  # CTranslate2 fp32's times, measured beside ours
         pair_seconds = {}  # the same with two batches at once (inter_threads=2)
-        for mode, beams, stop in modes:
+        for mode, beams, stop, cont in modes:
             # a fresh translator; its searches compile on the first call (cold)
             translator = Translator.from_workdir(args.workdir)
             options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
-            translator.decode = translator.decode.replace(beam_stop=stop)
+            translator.decode = translator.decode.replace(beam_stop=stop, continuous=cont)
             jax.clear_caches()  # every search compiles anew: this row's first call is cold
             before = compiles()
             started = time.perf_counter()
@@ -201,12 +210,13 @@ def main() -> None:
                 engine_outputs, seconds, _ = engine("ctranslate2", beams, inter=2)
                 pair_seconds.setdefault(mode, ([], engine_outputs))[0].append(seconds)
                 pair_ratios.append(seconds / warm[-1])
-            fresh = cached_first_call(args, beams, stop, Path(tmp) / f"xla-{beams}-{stop}")
+            folder = Path(tmp) / f"xla-{beams}-{stop}-{int(cont)}"
+            fresh = cached_first_call(args, beams, stop, folder, cont)
             if fresh["cached"].pop("outputs") != outputs:
                 raise RuntimeError(f"{mode} ({stop}): the cached programs translate otherwise")
             fresh["filling"].pop("outputs")
-            label = "ours" if beams == 1 else f"ours ({stop})"
-            if stop == "exact":
+            label = f"ours ({stop})" if beams > 1 else "ours" if cont else "ours (batch by batch)"
+            if stop == "exact" and mode not in reference:
                 reference[mode] = outputs
             streams = translator.decode.streams or default_streams(translator.params)
             row(label, mode, outputs, statistics.median(warm), cold_seconds=cold,
