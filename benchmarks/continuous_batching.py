@@ -33,16 +33,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from decode_profile import DEMO, TINY  # noqa: E402  (the same two model shapes)
+
 from flaxformer_lite.config.model import ModelConfig  # noqa: E402
 from flaxformer_lite.inference import decoding  # noqa: E402
 from flaxformer_lite.inference.continuous import greedy_continuous  # noqa: E402
 from flaxformer_lite.model.partitioning import unbox  # noqa: E402
 from flaxformer_lite.model.transformer import Transformer  # noqa: E402
 
-DEMO = dict(vocab_size=8000, d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
-            num_decoder_layers=3, max_len=256, ln_position="pre")  # fmt: skip
-TINY = dict(vocab_size=200, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-            num_decoder_layers=1, max_len=64, ln_position="pre")  # fmt: skip
 EXTRA = 50  # translate's max_extra: a batch's cache holds its longest source + 50
 
 
