@@ -3,6 +3,8 @@
   .venv/bin/python experiments/long_range/cost.py [--task listops] [--lengths 512,4096]
   .venv/bin/python experiments/long_range/cost.py --task mqar_l64 --lengths 64 \
       --out experiments/long_range/cost_mqar_l64.json
+  .venv/bin/python experiments/long_range/cost.py --lengths 512 \
+      --patterns 'moba=moba:block=16,k=4;nsa=nsa:block=16,k=3,window=16' --out ...
 
 The grid's model (config.py) for ``--task`` with each pattern of grid.py (scaled to
 the task's rows where grid.PATTERNS_OF says), one jitted training step on a synthetic
@@ -71,13 +73,15 @@ def compiled_step(config, pattern: str, rows: int, length: int):
     return compiled, state, batch, int(peak - m.alias_size_in_bytes)
 
 
-def measure(task: str, length: int, rounds: int) -> dict:
+def measure(task: str, length: int, rounds: int, only: dict[str, str] | None = None) -> dict:
     grid = files.load_config(str(HERE / "config.py"), TASKS[task])
     rows = max(1, grid.train.batch_size * grid.data.max_length // length)  # the grid's tokens
     config = files.load_config(
         str(HERE / "config.py"), re.sub(r"\bl\d+", f"l{length}", TASKS[task])
     )
     patterns = PATTERNS_OF.get(task, PATTERNS)
+    if only:  # these patterns beside dense, the baseline
+        patterns = {"dense": patterns["dense"], **only}
     runs = {}
     for name, spec in patterns.items():
         fn, state, batch, peak = compiled_step(config, spec, rows, length)
@@ -126,13 +130,16 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,4096")
     parser.add_argument("--steps", type=int, default=5, help="timed rounds")
     parser.add_argument("--out", default=str(HERE / "cost.json"))
+    parser.add_argument("--patterns", default="", help="NAME=SPEC;... instead of the grid's "
+                        "(dense always): e.g. 'moba=moba:block=16,k=4'")  # fmt: skip
     args = parser.parse_args()
+    only = dict(x.split("=", 1) for x in args.patterns.split(";") if x)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     result = {
         "machine": f"{_cpu_name()}, {jax.device_count()} {jax.default_backend()} device(s)",
         "jax": jax.__version__,
         "rounds": args.steps,
-        "runs": [measure(args.task, n, args.steps) for n in lengths],
+        "runs": [measure(args.task, n, args.steps, only) for n in lengths],
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for run in result["runs"]:
