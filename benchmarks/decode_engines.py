@@ -136,7 +136,8 @@ def main() -> None:
         help="e.g. 1,64: the table at batches of that many sentences, greedy and beam 4, on "
         "jax's device (the accelerator's table); writes decode_batches.{json,md}",
     )  # fmt: skip
-    parser.add_argument("--first_calls", help=argparse.SUPPRESS)  # BEAMS,STOP,CONTINUOUS: a child's run
+    # BEAMS,STOP,CONTINUOUS (1 or 0): a child process's run
+    parser.add_argument("--first_calls", help=argparse.SUPPRESS)
     args = parser.parse_args()
     probe = Translator.from_workdir(args.workdir)
     run = probe.run
@@ -268,8 +269,11 @@ def batch_table(args, run, texts, refs) -> None:
                 for fmt in ("ctranslate2", "ctranslate2-int8")
             }
         for batch in sizes:
-            for mode, beams in (("greedy", 1), ("beam 4", 4)):
+            # greedy by continuous batching (the default) and batch by batch
+            for mode, beams, cont in (("greedy", 1, True), ("greedy", 1, False),
+                                      ("beam 4", 4, True)):  # fmt: skip
                 translator = Translator.from_workdir(args.workdir, batch_size=batch)
+                translator.decode = translator.decode.replace(continuous=cont)
                 options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
                 jax.clear_caches()  # the first call compiles: cold
                 started = time.perf_counter()
@@ -279,9 +283,10 @@ def batch_table(args, run, texts, refs) -> None:
                     started = time.perf_counter()
                     outputs = translator.translate(texts, **options)
                     warm.append(time.perf_counter() - started)
-                add("ours", mode, batch, outputs, statistics.median(warm), cold_seconds=cold,
+                add("ours" if cont else "ours (batch by batch)", mode, batch, outputs,
+                    statistics.median(warm), cold_seconds=cold,
                     device=str(jax.devices()[0].platform))  # fmt: skip
-                for fmt, folder in folders.items():
+                for fmt, folder in folders.items() if cont else ():
                     outputs, seconds, _ = ctranslate2_outputs(
                         folder, tokenizer.sp, texts, beams, args.alpha,
                         run.config.decode.max_extra, batch=batch, device=device,

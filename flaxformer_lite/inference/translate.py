@@ -283,9 +283,10 @@ class Translator:
             top = max(g[2] for g in same)
             own = np.full(len(n), top) if given_limit else np.minimum(n + 1 + d.max_extra, top)
             size = decoding.bucket(max(top, same[0][3]), c.max_len)
-            slots = same[0][1].shape[0]
             for part in range(min(streams, len(idx))):
                 mine = np.arange(part, len(idx), streams)
+                # a batch's rows, or fewer for a short queue (every slot runs every step)
+                slots = min(same[0][1].shape[0], 2 ** math.ceil(math.log2(len(mine))))
                 m = slots * 2 ** math.ceil(math.log2(math.ceil(len(mine) / slots)))
                 padded = np.zeros((m, rows.shape[1]), np.int32)
                 padded[: len(mine)] = rows[mine]
