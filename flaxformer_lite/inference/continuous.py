@@ -31,11 +31,16 @@ from flaxformer_lite.inference.stepping import (
     _name,
     block_top_k,
     grown,
+    stage_sizes,
     take_cache_rows,
 )
 
 # Cache counters that become one per slot.
 INDEX_LEAVES = ("cache_index", "position_index")
+# The search state's entries that are one per slot.
+PER_SLOT = ("src", "last", "step", "active")
+# The rows go on in a batch of 1/SHRINK of the slots once only that many still run.
+SHRINK = 4
 
 
 @functools.partial(
@@ -116,7 +121,23 @@ def greedy_continuous(
         }
         return state, cache
 
-    state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
+    # Once the queue is empty and few rows still run, they go on in a smaller batch (as
+    # run_shrinking's second stage): every slot runs every step.
+    sizes = stage_sizes(s, SHRINK)
+
+    def filling(c):
+        state = c[0]
+        running = jnp.sum(state["active"])
+        if len(sizes) == 1:
+            return running > 0
+        return (running > 0) & ((state["next"] < count) | (running > sizes[1]))
+
+    state, cache = lax.while_loop(filling, body, (state, cache))
+    if len(sizes) > 1:
+        keep = jnp.argsort(~state["active"], stable=True)[: sizes[1]]
+        state = {k: v[keep] if k in PER_SLOT else v for k, v in state.items()}
+        cache = take_cache_rows(cache, keep)
+        state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
     return (state["out"][:m], state["rows"]) if count_rows else state["out"][:m]
 
 
