@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite.data import sources  # noqa: E402
-from flaxformer_lite.inference import decoding, export  # noqa: E402
+from flaxformer_lite.inference import decoding, export, programs  # noqa: E402
 from flaxformer_lite.inference.ahead import default_streams  # noqa: E402
 from flaxformer_lite.inference.continuous import greedy_continuous  # noqa: E402
 from flaxformer_lite.inference.evaluation import corpus_scores  # noqa: E402
@@ -60,8 +60,9 @@ from flaxformer_lite.inference.translate import Translator  # noqa: E402
 
 
 def compiles() -> int:
+    """Searches compiled so far: kept by jax.jit, or as programs (inference/programs.py)."""
     searches = (decoding.beam_search, decoding.sample, greedy_continuous)
-    return sum(f._cache_size() for f in searches)
+    return sum(f._cache_size() for f in searches) + programs.STATS["compiled"]
 
 
 def first_calls(
@@ -81,7 +82,8 @@ def first_calls(
         started = time.perf_counter()
         outputs = translator.translate(texts, **options)
         times.append(time.perf_counter() - started)
-    return {"first": times[0], "second": times[1], "outputs": outputs, "hits": len(hits)}
+    return {"first": times[0], "second": times[1], "outputs": outputs, "hits": len(hits),
+            "loaded": programs.STATS["loaded"]}  # fmt: skip
 
 
 def cached_first_call(args, beams: int, stop: str, folder: Path, continuous: bool) -> dict:
@@ -193,6 +195,7 @@ def main() -> None:
             options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)
             translator.decode = translator.decode.replace(beam_stop=stop, continuous=cont)
             jax.clear_caches()  # every search compiles anew: this row's first call is cold
+            programs.clear()
             before = compiles()
             started = time.perf_counter()
             translator.translate(texts, **options)

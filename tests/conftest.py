@@ -44,6 +44,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# Searches stored as executables (inference/programs.py) are compiled anew, not taken
+# from that shared cache, and keyed on the modules a process imported (the tests'
+# differ from worker to worker): in the suite they would cost compiles and rarely
+# load. tests/test_programs.py turns them on where it tests them.
+os.environ.setdefault("FLAXFORMER_LITE_STORED_SEARCHES", "0")
 # The workers and their subprocesses write that folder at once: with a size limit jax
 # locks it, so none reads another's half-written entry (workdir/compile_cache.py).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 50))
@@ -117,7 +122,6 @@ FILE_SECONDS = {
     "test_faults.py": 40,
     "test_kernels.py": 67,
     "test_decoding.py": 58,
-    "test_precision.py": 54,
     "test_resume.py": 45,
     "test_bad_inputs.py": 43,
     "test_sweep.py": 6,
@@ -133,6 +137,7 @@ FILE_SECONDS = {
     "test_own_files.py": 8,
     "test_attention_maps.py": 20,
     "test_float64.py": 19,
+    "test_precision.py": 15,
     "test_run.py": 14,
     "test_chunked.py": 13,
     "test_block_sparse_gpu.py": 12,

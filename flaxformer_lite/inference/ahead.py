@@ -9,6 +9,9 @@ one background thread, in the order the batches need them, so that the wider bat
 programs are ready (or nearly) when the narrow batches are done. A jitted function
 called after ``lower(...).compile()`` of the same arguments reuses that executable, so
 the calls themselves do not change, and a search already compiled costs a cache look-up.
+A module's search function is kept as its compiled program
+(:mod:`~flaxformer_lite.inference.programs`), which a later process loads from the
+compilation cache folder without tracing it again.
 
 It also runs the searches in ``streams`` threads at once (:meth:`Ahead.results`). One
 search of a batch leaves a core idle a third of the time (its steps are chains of
@@ -26,6 +29,8 @@ from itertools import islice
 from typing import Any
 
 import jax
+
+from flaxformer_lite.inference import programs
 
 
 def default_streams(params) -> int:
@@ -54,12 +59,20 @@ class Call:
         )
         return self.fn, tree, kinds
 
-    def compile(self) -> None:
-        """Lower and compile it (a function that is not jitted: nothing to do)."""
-        if hasattr(self.fn, "lower"):
+    def compile(self) -> programs.Program | None:
+        """Its compiled program (:func:`~flaxformer_lite.inference.programs.compiled`:
+        kept in memory and on disk, loaded without tracing by a later process), or None
+        where jax.jit keeps it (compiled here) or the function is not jitted."""
+        if not hasattr(self.fn, "lower"):
+            return None
+        program = programs.compiled(self.fn, *self.args, **self.kwargs)
+        if program is None:
             self.fn.lower(*self.args, **self.kwargs).compile()
+        return program
 
-    def __call__(self) -> Any:
+    def __call__(self, program: programs.Program | None = None) -> Any:
+        if program is not None:
+            return program(*self.args, **self.kwargs)
         return self.fn(*self.args, **self.kwargs)
 
 
@@ -85,9 +98,7 @@ class Ahead:
     def run(self, call: Call) -> Any:
         """``call()``, once its program is compiled (a compile error is raised here)."""
         ready = self._ready.get(call.key())
-        if ready is not None:
-            ready.result()
-        return call()
+        return call(ready.result() if ready is not None else None)
 
     def _fetched(self, call: Call) -> Any:
         return jax.device_get(self.run(call))
