@@ -31,6 +31,12 @@ def scaled(x, *, times: int, shift=None, limit=None):
     return out if limit is None else jnp.minimum(out, limit)
 
 
+@functools.partial(jax.jit, static_argnames=("times",))
+def maybe(x, extra, *, times: int):
+    TRACES.append(("maybe", x.shape))
+    return x * times if extra is None else x * times + extra
+
+
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     """An empty compilation cache folder and no program in memory."""
@@ -55,6 +61,18 @@ def test_a_stored_program_loads_without_tracing_and_gives_the_same_result(store)
     assert len(TRACES) == 1  # loaded, not traced
     np.testing.assert_array_equal(again(x + 1, times=3, limit=jnp.float32(20.0)),
                                   scaled(x + 1, times=3, limit=jnp.float32(20.0)))  # fmt: skip
+
+
+def test_a_none_argument_that_jit_traces_is_kept_too(store):
+    """``generate`` passes ``inputs=None`` positionally: jit traces it (an empty tree),
+    so the program's arguments hold it, unlike a static argument's None."""
+    x = jnp.arange(3.0)
+    program = programs.compiled(maybe, x, None, times=2)
+    np.testing.assert_array_equal(program(x, None, times=2), [0, 2, 4])
+    programs._MEMORY.clear()
+    again = programs.compiled(maybe, x, None, times=2)
+    np.testing.assert_array_equal(again(x + 1, None, times=2), [2, 4, 6])
+    assert TRACES == [("maybe", (3,))] and len(_entries(store)) == 1
 
 
 def test_the_key_changes_with_what_the_program_depends_on(store, monkeypatch):

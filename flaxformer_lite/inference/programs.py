@@ -68,13 +68,14 @@ def _is_array(x) -> bool:
     return isinstance(x, jax.Array) or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def split(args: tuple, kwargs: dict) -> tuple[tuple, dict, list]:
+def split(args: tuple, kwargs: dict, empty: bool = False) -> tuple[tuple, dict, list]:
     """(traced positional arguments, traced keyword arguments, the static values):
-    arrays and trees of arrays are traced, other values static."""
+    arrays and trees of arrays are traced, other values static; ``empty``: a value
+    without leaves (None) is traced too (jit traces an undeclared None argument)."""
 
     def traced(x) -> bool:
         leaves = jax.tree.leaves(x)
-        return bool(leaves) and all(_is_array(v) for v in leaves)
+        return (bool(leaves) or empty) and all(_is_array(v) for v in leaves)
 
     dyn_args = tuple(a for a in args if traced(a))
     dyn_kwargs = {k: v for k, v in kwargs.items() if traced(v)}
@@ -283,13 +284,14 @@ class Program:
     dropped, its entry deleted, and the call goes to ``fn`` itself (jax.jit): a search
     has no side effects, so running it again changes nothing."""
 
-    def __init__(self, executable, fn, key: str, path: Path | None = None):
+    def __init__(self, executable, fn, key: str, path: Path | None = None, empty=False):
         self.executable, self.fn, self.key, self.path = executable, fn, key, path
+        self.empty = empty  # the split that matches the program's arguments
 
     def __call__(self, *args, **kwargs):
         if self.executable is None:
             return self.fn(*args, **kwargs)
-        dyn_args, dyn_kwargs, _ = split(args, kwargs)
+        dyn_args, dyn_kwargs, _ = split(args, kwargs, self.empty)
         if self.path is None:  # compiled by this process
             return self.executable(*dyn_args, **dyn_kwargs)
         try:
@@ -302,6 +304,16 @@ class Program:
                 _MEMORY.pop(self.key, None)
             self.executable = None
             return self.fn(*args, **kwargs)
+
+
+def _empty_traced(executable, args: tuple, kwargs: dict) -> bool | None:
+    """Which split gives the program's arguments (None arguments static, or traced), or
+    None if neither does."""
+    for empty in (False, True):
+        dyn_args, dyn_kwargs, _ = split(args, kwargs, empty)
+        if executable.in_tree == jax.tree.structure((dyn_args, dyn_kwargs)):
+            return empty
+    return None
 
 
 def compiled(fn, *args, **kwargs) -> Program | None:
@@ -317,7 +329,6 @@ def compiled(fn, *args, **kwargs) -> Program | None:
         found = _MEMORY.get(key)
     if found is not None:
         return found
-    dyn_args, dyn_kwargs, _ = split(args, kwargs)
     where = folder()
     path = where / f"{key}.bin" if where is not None else None
     executable = None
@@ -328,12 +339,14 @@ def compiled(fn, *args, **kwargs) -> Program | None:
         except Exception as e:  # a torn, stale or foreign entry: compile it again
             warnings.warn(f"stored search {path.name} did not load ({e!r}); compiling it again",
                           stacklevel=2)  # fmt: skip
-    loaded = executable is not None
+    empty = None if executable is None else _empty_traced(executable, args, kwargs)
+    loaded = empty is not None  # (an entry whose arguments do not fit: compiled again)
     if not loaded:
         executable = _fresh(fn, args, kwargs) if path is not None else None
         executable = executable or fn.lower(*args, **kwargs).compile()
         STATS["compiled"] += 1
-        if executable.in_tree != jax.tree.structure((dyn_args, dyn_kwargs)):
+        empty = _empty_traced(executable, args, kwargs)
+        if empty is None:
             return None  # its traced arguments are not the arrays: leave it to jax.jit
         device = _device(executable)
         if device is None:
@@ -343,7 +356,7 @@ def compiled(fn, *args, **kwargs) -> Program | None:
                 _store(path, executable, device)
             except Exception as e:  # a full disk or a read-only folder loses no result
                 warnings.warn(f"could not store the search in {where} ({e!r})", stacklevel=2)
-    program = Program(executable, fn, key, path if loaded else None)
+    program = Program(executable, fn, key, path if loaded else None, bool(empty))
     with _LOCK:
         _MEMORY[key] = program
         while len(_MEMORY) > MEMORY_SIZE:

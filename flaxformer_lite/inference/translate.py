@@ -410,19 +410,15 @@ class Translator:
             prefix = np.zeros((size, length), np.int32)  # 0 = not forced
             for r, f in enumerate(chunk):
                 prefix[r, : len(f)] = f
-            ids = decoding.sample(
-                self.model,
-                self.params,
-                None,
-                max_length=length,
-                eos_id=c.eos_id,
-                bos_id=c.bos_id,
+            # kept as a program (inference/programs.py): a later process loads it untraced
+            call = Call(
+                decoding.sample, self.model, self.params, None, max_length=length,
+                eos_id=c.eos_id, bos_id=c.bos_id,
                 rng=jax.random.fold_in(jax.random.key(seed), first_index + start),
-                temperature=float(temperature),
-                top_k=top_k,
-                top_p=float(top_p),
+                temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                 prefix=jnp.asarray(prefix),
-            )
+            )  # fmt: skip
+            ids = call(call.compile())
             for r, f in enumerate(chunk):
                 row = np.asarray(ids[r]).tolist()
                 results.append(self.tokenizer.decode(row[len(f) : len(f) + max_new_tokens]))
