@@ -3,7 +3,6 @@ without tracing, and a key that differs in anything the program depends on misse
 
 import functools
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -141,11 +140,9 @@ def test_a_stored_program_that_fails_to_run_gives_way_to_jit(store):
     once = serialize_executable.deserialize_and_load(
         *serialize_executable.serialize(scaled.lower(x, times=4).compile())
     )
-    payload, in_tree, out_tree = serialize_executable.serialize(once)
     key = programs.program_key(scaled, (x,), {"times": 4})
-    store.mkdir(parents=True)
     entry = store / f"{key}.bin"
-    entry.write_bytes(pickle.dumps((payload, in_tree, out_tree, jax.devices()[0].id)))
+    programs._store(entry, once, jax.devices()[0].id)  # `once` re-serialized, as jax's would be
     program = programs.compiled(scaled, x, times=4)
     with pytest.warns(UserWarning, match="failed to run"):
         out = program(x, times=4)

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
-import pickle
 import sys
 import threading
 import time
@@ -223,14 +223,29 @@ def _device(executable) -> int | None:
     return devices.pop() if len(devices) == 1 else None
 
 
+MAGIC = b"flaxformer_lite search 1\n"
+
+
 def _load(path: Path):
+    """An entry: MAGIC, a JSON header (device, the two trees' sizes), the argument and
+    output trees (jax's proto form) and the executable as jax serialized it. Loading
+    an executable runs code from the folder, as jax's own cache does: it is the user's."""
+    from jax._src import tree_util
     from jax.experimental import serialize_executable
 
-    payload, in_tree, out_tree, device = pickle.loads(path.read_bytes())
-    on = [d for d in jax.devices() if d.id == device]
-    program = serialize_executable.deserialize_and_load(
-        payload, in_tree, out_tree, execution_devices=on
-    )
+    data = path.read_bytes()
+    if not data.startswith(MAGIC):
+        raise ValueError("not a stored search")
+    head_end = data.index(b"\n", len(MAGIC))
+    head = json.loads(data[len(MAGIC) : head_end])
+    at = head_end + 1
+    trees = []
+    for size in (head["in"], head["out"]):
+        trees.append(tree_util.PyTreeDef.deserialize_using_proto(
+            tree_util.default_registry, data[at : at + size]))  # fmt: skip
+        at += size
+    on = [d for d in jax.devices() if d.id == head["device"]]
+    program = serialize_executable.deserialize_and_load(data[at:], *trees, execution_devices=on)
     os.utime(path)  # recently used: the last to go
     return program
 
@@ -239,9 +254,11 @@ def _store(path: Path, program, device: int) -> None:
     from jax.experimental import serialize_executable
 
     payload, in_tree, out_tree = serialize_executable.serialize(program)
+    trees = [in_tree.serialize_using_proto(), out_tree.serialize_using_proto()]
+    head = json.dumps({"device": device, "in": len(trees[0]), "out": len(trees[1])})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(pickle.dumps((payload, in_tree, out_tree, device)))
+    tmp.write_bytes(MAGIC + head.encode() + b"\n" + b"".join(trees) + payload)
     os.replace(tmp, path)  # whole or absent: a reader never sees half an entry
     _evict(path.parent)
 
