@@ -24,8 +24,9 @@ there serializes without its kernels' code); one that fails to run anyway gives 
 memory for the process only.
 
 Arguments are split as the searches declare them: arrays are traced, anything else
-(the model, sizes, options) is static. A function whose compiled program expects other
-arguments than that split gives (an unusual signature) is left to ``jax.jit``.
+(the model, sizes, options) is static, and a None is either, as the compiled program's
+arguments say (jit traces an undeclared None). A function whose program expects other
+arguments than either split gives (an unusual signature) is left to ``jax.jit``.
 """
 
 from __future__ import annotations
