@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import serialize_executable
+from jax.sharding import PartitionSpec as P
 
 from flaxformer_lite.inference import programs
 from flaxformer_lite.inference.ahead import Ahead, Call
@@ -41,6 +42,7 @@ def store(tmp_path, monkeypatch):
     """An empty compilation cache folder and no program in memory."""
     monkeypatch.setattr(programs, "folder", lambda: tmp_path / programs.FOLDER)
     monkeypatch.setattr(programs, "_MEMORY", {})
+    monkeypatch.setattr(programs, "_LEFT", set())
     TRACES.clear()
     yield tmp_path / programs.FOLDER
 
@@ -114,6 +116,15 @@ def test_lambdas_closures_and_addresses_are_left_to_jit(store):
     assert programs.compiled(jax.jit(lambda v: v + 1), x) is None
     assert programs.compiled(scaled, x, times=object()) is None  # repr with an address
     assert _entries(store) == []
+
+
+def test_a_program_over_several_devices_is_left_to_jit_once(store):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    x = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, P("d")))
+    before = programs.STATS["compiled"]
+    assert programs.compiled(scaled, x, times=2) is None
+    assert programs.compiled(scaled, x, times=2) is None  # not compiled a second time
+    assert programs.STATS["compiled"] == before + 1 and _entries(store) == []
 
 
 def test_a_torn_entry_is_compiled_again_and_replaced(store):

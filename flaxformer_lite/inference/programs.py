@@ -51,6 +51,7 @@ SWITCH = "FLAXFORMER_LITE_STORED_SEARCHES"  # "0": keep programs in memory only
 LIMIT = 1 << 30  # bytes: the least recently used entries go past it
 _PACKAGE = Path(__file__).resolve().parents[1]
 _MEMORY: dict[str, Any] = {}  # key -> compiled program, for this process
+_LEFT: set[str] = set()  # keys whose programs jax.jit keeps (not compiled again here)
 _LOCK = threading.Lock()
 _FILES: dict[str, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, sha256)
 _DIGEST: list = []  # [modules imported, when, the files' digest]
@@ -63,6 +64,7 @@ def clear() -> None:
     """Forget the programs kept in memory (as ``jax.clear_caches`` does jit's)."""
     with _LOCK:
         _MEMORY.clear()
+        _LEFT.clear()
 
 
 def _is_array(x) -> bool:
@@ -344,8 +346,8 @@ def compiled(fn, *args, **kwargs) -> Program | None:
     if key is None:
         return None
     with _LOCK:
-        found = _MEMORY.get(key)
-    if found is not None:
+        found, left = _MEMORY.get(key), key in _LEFT
+    if found is not None or left:
         return found
     where = folder()
     path = where / f"{key}.bin" if where is not None else None
@@ -364,11 +366,12 @@ def compiled(fn, *args, **kwargs) -> Program | None:
         executable = executable or fn.lower(*args, **kwargs).compile()
         STATS["compiled"] += 1
         empty = _empty_traced(executable, args, kwargs)
-        if empty is None:
-            return None  # its traced arguments are not the arrays: leave it to jax.jit
-        device = _device(executable)
+        # its traced arguments are not the arrays, or it runs over several devices
+        device = None if empty is None else _device(executable)
         if device is None:
-            return None  # a program over several devices: jax.jit keeps it
+            with _LOCK:
+                _LEFT.add(key)  # jax.jit keeps it; the next call goes there at once
+            return None
         if path is not None:
             try:
                 _store(path, executable, device)
