@@ -54,14 +54,14 @@ sys.path.insert(0, str(ROOT))
 from flaxformer_lite.data import sources  # noqa: E402
 from flaxformer_lite.inference import decoding, export, programs  # noqa: E402
 from flaxformer_lite.inference.ahead import default_streams  # noqa: E402
-from flaxformer_lite.inference.continuous import greedy_continuous  # noqa: E402
+from flaxformer_lite.inference.continuous import beam_continuous, greedy_continuous  # noqa: E402
 from flaxformer_lite.inference.evaluation import corpus_scores  # noqa: E402
 from flaxformer_lite.inference.translate import Translator  # noqa: E402
 
 
 def compiles() -> int:
     """Searches compiled so far: kept by jax.jit, or as programs (inference/programs.py)."""
-    searches = (decoding.beam_search, decoding.sample, greedy_continuous)
+    searches = (decoding.beam_search, decoding.sample, greedy_continuous, beam_continuous)
     return sum(f._cache_size() for f in searches) + programs.STATS["compiled"]
 
 
@@ -170,11 +170,11 @@ def main() -> None:
         })  # fmt: skip
         print(rows[-1], flush=True)
 
-    # (mode, beams, beam_stop, decode.continuous): greedy by continuous batching (the
-    # default) and batch by batch
+    # (mode, beams, beam_stop, decode.continuous): continuous batching (the default)
+    # and batch by batch
     modes = [("greedy", 1, "exact", True), ("greedy", 1, "exact", False),
              ("beam 4", 4, "exact", True), ("beam 4", 4, "current", True),
-             ("beam 4", 4, "finished", True)]  # fmt: skip
+             ("beam 4", 4, "current", False), ("beam 4", 4, "finished", True)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         folders = {
             fmt: export.export_workdir(args.workdir, fmt, Path(tmp) / fmt)
@@ -219,7 +219,8 @@ def main() -> None:
             if fresh["cached"].pop("outputs") != outputs:
                 raise RuntimeError(f"{mode} ({stop}): the cached programs translate otherwise")
             fresh["filling"].pop("outputs")
-            label = f"ours ({stop})" if beams > 1 else "ours" if cont else "ours (batch by batch)"
+            parts = [stop] * (beams > 1) + ["batch by batch"] * (not cont)
+            label = f"ours ({', '.join(parts)})" if parts else "ours"
             if stop == "exact" and mode not in reference:
                 reference[mode] = outputs
             streams = translator.decode.streams or default_streams(translator.params)
@@ -272,9 +273,9 @@ def batch_table(args, run, texts, refs) -> None:
                 for fmt in ("ctranslate2", "ctranslate2-int8")
             }
         for batch in sizes:
-            # greedy by continuous batching (the default) and batch by batch
+            # continuous batching (the default) and batch by batch
             for mode, beams, cont in (("greedy", 1, True), ("greedy", 1, False),
-                                      ("beam 4", 4, True)):  # fmt: skip
+                                      ("beam 4", 4, True), ("beam 4", 4, False)):  # fmt: skip
                 translator = Translator.from_workdir(args.workdir, batch_size=batch)
                 translator.decode = translator.decode.replace(continuous=cont)
                 options = dict(beam_size=beams, alpha=args.alpha, no_repeat_ngram=0)

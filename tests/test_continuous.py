@@ -1,5 +1,5 @@
-"""Continuous batching (inference/continuous.py): each sentence's greedy output equals
-the batched search's, whatever the slots and the sentences beside it."""
+"""Continuous batching (inference/continuous.py): each sentence's greedy output and
+beams equal the batched search's, whatever the slots and the sentences beside it."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ import pytest
 
 from flaxformer_lite import LanguageModel, Transformer
 from flaxformer_lite.inference import decoding
-from flaxformer_lite.inference.continuous import greedy_continuous
+from flaxformer_lite.inference.continuous import beam_continuous, greedy_continuous
 from flaxformer_lite.model.partitioning import unbox
 from tests.test_decoding import CFG
 
@@ -44,6 +44,33 @@ def test_continuous_greedy_equals_batched(queue, slots):
     assert eos.any(axis=1).sum() >= 2  # rows that end by EOS, others by their limits
     needed = np.where(eos.any(axis=1), np.argmax(eos, axis=1) + 1, np.asarray(limits))
     assert int(rows) == int(np.maximum(needed, 1).sum())
+
+
+@pytest.mark.parametrize(("slots", "stop"), [(1, "exact"), (4, "current"), (9, "finished")])
+def test_continuous_beams_equal_the_batched_search(queue, slots, stop):
+    """Each sentence's k hypotheses and scores are beam_search's for a batch with that
+    sentence's limit; 4 slots of 9 sentences refill slots and shrink to one."""
+    model, params, src = queue
+    limits = np.array([12, 5, 12, 12, 3, 12, 8, 12, 1])
+    kw = dict(beam_size=3, alpha=0.6, stop=stop, **KW)
+    ids, scores, rows = beam_continuous(
+        model, params, src, slots=slots, limit=jnp.asarray(limits), count=7, count_rows=True,
+        **kw,
+    )  # fmt: skip
+    ids, scores = np.asarray(ids), np.asarray(scores)
+    for limit in set(limits[:7]):
+        want_ids, want_scores = decoding.beam_search(
+            model, params, src, limit=jnp.int32(limit), shrink=0, **kw
+        )
+        mine = limits[:7] == limit
+        np.testing.assert_array_equal(ids[:7][mine], np.asarray(want_ids)[:7][mine])
+        # float32 sums over batches of other shapes round otherwise: a few ulps (1.2e-7)
+        # a step, 12 steps (seen: 1.3e-6)
+        np.testing.assert_allclose(scores[:7][mine], np.asarray(want_scores)[:7][mine], 1e-5)
+    assert not ids[7:].any()  # beyond count: never decoded
+    assert (ids[:7, :, 0] == KW["eos_id"]).sum() < 7 * 3  # real searches, not all-EOS
+    # no step runs a sentence past its limit: at most 3 rows x its limit each
+    assert 3 <= int(rows) <= 3 * limits[:7].sum()
 
 
 def test_continuous_count_leaves_the_padding_rows(queue):

@@ -39,8 +39,9 @@ def _grads(f, args, w):
 
 def _close(f, g, args, w, tol):
     """Values and every gradient of ``f`` within ``tol`` of ``g``'s (max abs)."""
-    np.testing.assert_allclose(f(*args), g(*args), atol=tol, rtol=0)
-    for a, b in zip(*(jax.tree.leaves(_grads(x, args, w)) for x in (f, g)), strict=True):
+    np.testing.assert_allclose(jax.jit(f)(*args), jax.jit(g)(*args), atol=tol, rtol=0)
+    grads = (jax.jit(lambda *a, x=x: _grads(x, a, w))(*args) for x in (f, g))
+    for a, b in zip(*map(jax.tree.leaves, grads), strict=True):
         np.testing.assert_allclose(a, b, atol=tol, rtol=0)
 
 

@@ -43,9 +43,11 @@ def test_translate_returns_strings_in_order(run):
     )
 
 
-def test_continuous_greedy_translates_as_batches_do(run):
-    """Greedy by continuous batching (the default) gives each sentence what the batch
-    by batch search gives: two source widths, several batches each, 1 and 2 streams.
+@pytest.mark.parametrize("beam", [1, 3])
+def test_continuous_batching_translates_as_batches_do(run, beam):
+    """Greedy and beam search by continuous batching (the default) give each sentence
+    what the batch by batch search gives: two source widths, several batches each (a
+    beam sentence keeps its batch's limit), 1 and 2 streams.
     The run's model with random weights (the trained 6 steps end some machines'
     outputs at once, whose float rounding breaks the EOS tie another way) gives each
     sentence its own output: a sentence given another's slot shows."""
@@ -58,11 +60,11 @@ def test_continuous_greedy_translates_as_batches_do(run):
     sentences = [" ".join(words[(i + j) % 7] for j in range(1 + i)) for i in range(20)]
     sentences += [f"This is sentence number {i}." for i in range(5)]
     t.decode = t.decode.replace(batch_tokens=64, streams=1, continuous=False, max_extra=2)
-    want = t.translate(sentences, beam_size=1)
+    want = t.translate(sentences, beam_size=beam)
     assert len(set(want)) > 10
     for streams in (1, 2):
         t.decode = t.decode.replace(streams=streams, continuous=True)
-        assert t.translate(sentences, beam_size=1) == want
+        assert t.translate(sentences, beam_size=beam) == want
 
 
 def test_bad_input_messages(run, monkeypatch):

@@ -1,7 +1,7 @@
-"""Continuous batching for greedy decoding: a fixed number of decoding rows (slots)
-works through a queue of sentences; when a row's sentence ends, the next sentence of
-the queue takes its slot at the next step, so no step decodes a finished row and no
-batch waits for its longest member.
+"""Continuous batching for greedy decoding and beam search: a fixed number of decoding
+slots (a row, or a sentence's k beam rows) works through a queue of sentences; when a
+slot's sentence ends, the next sentence of the queue takes it at the next step, so no
+step decodes a finished sentence and no batch waits for its longest member.
 
 Legend: m sentences in the queue, s slots, t cache length.
 
@@ -12,8 +12,11 @@ queue, and each layer's cross-attention keys and values of every sentence are ke
 (``[m, h, src, d]``); a slot that takes a sentence copies its rows of them (only on
 steps where some slot was refilled). A sentence's output does not depend on the
 sentences beside it, so the result equals :func:`~flaxformer_lite.inference.decoding.
-sample`'s greedy output row for row. Dense self-attention only: a sparse pattern's
-ring buffer holds the positions of one shared index.
+sample`'s greedy output row for row, and :func:`~flaxformer_lite.inference.decoding.
+beam_search`'s hypotheses and scores sentence by sentence (a beam slot's cache starts
+at the full length, where beam_search's starts short and grows: the same values up to
+float rounding). Dense self-attention only: a sparse pattern's ring buffer holds the
+positions of one shared index.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from flaxformer_lite.config.experiment import BEAM_STOPS
+from flaxformer_lite.inference.constraints import NEG_INF
+from flaxformer_lite.inference.decoding import _advance, _best, _undecided, length_penalty
 from flaxformer_lite.inference.stepping import (
     SOURCE_LEAVES,
     Stepper,
     _name,
     block_top_k,
     grown,
+    repeat_rows,
+    score_dtype,
     stage_sizes,
     take_cache_rows,
 )
@@ -155,3 +163,150 @@ def _refill(cache, store, take: Array, src: Array):
         return x
 
     return jax.tree_util.tree_map_with_path(one, cache, store)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model", "max_length", "eos_id", "bos_id", "slots", "beam_size", "alpha", "stop",
+        "count_rows",
+    ),
+)  # fmt: skip
+def beam_continuous(
+    model: nn.Module,
+    params,
+    inputs: Array,
+    *,
+    beam_size: int,
+    alpha: float,
+    max_length: int,
+    eos_id: int,
+    bos_id: int,
+    slots: int,
+    limit: Array | None = None,
+    count: Array | None = None,
+    stop: str = "exact",
+    count_rows: bool = False,
+):
+    """Beam search of every row of ``inputs [m, src]`` through ``slots`` sentences of
+    ``beam_size`` rows each, in queue order; returns (``[m, k, max_length]`` ids,
+    ``[m, k]`` scores) as :func:`~flaxformer_lite.inference.decoding.beam_search`
+    gives them for a sentence whose batch has ``limit`` (a scalar or ``[m]``, traced)
+    as its limit (``count_rows``: and the row-steps run, beams counted).
+
+    A slot's k rows keep one position between them; when its sentence is done (by the
+    ``stop`` rule, or at its limit) its k best hypotheses are written out and the
+    next sentence of the queue starts there at the next step. ``count`` (traced): only
+    the first ``count`` rows are decoded. Plain search: no n-gram ban, no length
+    bounds (translate keeps batches for those)."""
+    if model.config.sparse_attention:
+        raise ValueError("continuous batching needs dense self-attention (one index per row)")
+    if stop not in BEAM_STOPS:
+        raise ValueError(f"stop={stop!r}; choose one of {', '.join(BEAM_STOPS)}")
+    m, k, v = inputs.shape[0], beam_size, model.config.vocab_size
+    s = min(slots, m)
+    wide = score_dtype(model)
+    limits = jnp.broadcast_to(
+        jnp.full((m,), max_length, jnp.int32) if limit is None else limit, (m,)
+    )
+    limits = jnp.minimum(limits, max_length)
+    count = jnp.int32(m) if count is None else jnp.minimum(count, m)
+    stepper = Stepper(model, params, inputs)
+    store = stepper.init_cache(m, 1)  # the queue's cross-attention keys; 1 position
+    cache = grown(take_cache_rows(store, jnp.repeat(jnp.arange(s), k)), max_length)
+
+    def per_row(path, x):
+        return jnp.zeros((s * k,), jnp.int32) if _name(path) in INDEX_LEAVES else x
+
+    cache = jax.tree_util.tree_map_with_path(per_row, cache)
+    # The search state of a sentence that starts (only beam 0 alive, as beam_search's).
+    start = {
+        "live_seqs": jnp.zeros((k, max_length), jnp.int32),
+        "live_logp": jnp.array([0.0] + [NEG_INF] * (k - 1), wide),
+        "fin_seqs": jnp.zeros((k, max_length), jnp.int32),
+        "fin_scores": jnp.full((k,), NEG_INF, wide),
+        "steps": jnp.int32(0),
+    }
+    src = jnp.arange(s, dtype=jnp.int32)
+    state = {
+        **{name: jnp.broadcast_to(x, (s, *x.shape)) for name, x in start.items()},
+        "src": src,
+        "max_lp": length_penalty(limits[src].astype(wide), alpha),
+        "active": src < count,
+        "next": jnp.minimum(count, s),
+        "ids": jnp.zeros((m + 1, k, max_length), jnp.int32),  # row m: nobody's writes
+        "scores": jnp.full((m + 1, k), NEG_INF, wide),
+        "rows": jnp.int32(0),
+    }
+
+    def body(c):
+        r, cache = c
+        n, src, act, i = r["src"].shape[0], r["src"], r["active"], r["steps"]
+        at = jnp.maximum(i - 1, 0)[:, None, None]
+        previous = jnp.take_along_axis(r["live_seqs"], at, axis=2)[..., 0]
+        last = jnp.where(i[:, None] == 0, bos_id, previous)
+        logits, cache = stepper(cache, last.reshape(n * k, 1), repeat_rows(inputs[src], k))
+        logp = jax.nn.log_softmax(logits).reshape(n, k, v)
+        new, origin = _advance(r, logp, i, eos_id, alpha)
+        rows = (jnp.arange(n)[:, None] * k + origin).reshape(-1)
+        cache = take_cache_rows(cache, rows, beams_only=True)
+        r = r | {
+            name: jnp.where(act.reshape(n, *[1] * (x.ndim - 1)), x, r[name])
+            for name, x in new.items()
+        }
+        steps = r["steps"]
+        going = act & _undecided(stop, steps, r["live_logp"], r["fin_scores"], alpha, r["max_lp"])
+        running = going & (steps < limits[src])
+        ended = act & ~running
+        write = functools.partial(_write_out, k=k, alpha=alpha, m=m)
+        r = lax.cond(jnp.any(ended), write, lambda r, *_: r, r, ended, going)
+        # Free slots take the next sentences, in queue order.
+        free = ~running
+        new = r["next"] + jnp.cumsum(free) - 1
+        take = free & (new < count)
+        src = jnp.where(take, new, src)
+        fresh = {
+            name: jnp.where(take.reshape(n, *[1] * x.ndim), x, r[name]) for name, x in start.items()
+        }
+        lp = length_penalty(limits[src].astype(wide), alpha)
+        taken = jnp.repeat(take, k)
+        cache = lax.cond(
+            jnp.any(take), _refill, lambda c, *_: c, cache, store, taken, jnp.repeat(src, k)
+        )
+        return r | fresh | {
+            "src": src,
+            "max_lp": jnp.where(take, lp, r["max_lp"]),
+            "active": running | take,
+            "next": r["next"] + jnp.sum(take),
+            "rows": r["rows"] + k * jnp.sum(act),
+        }, cache
+
+    sizes = stage_sizes(s, SHRINK)
+
+    def filling(c):
+        r = c[0]
+        running = jnp.sum(r["active"])
+        if len(sizes) == 1:
+            return running > 0
+        return (running > 0) & ((r["next"] < count) | (running > sizes[1]))
+
+    state, cache = lax.while_loop(filling, body, (state, cache))
+    if len(sizes) > 1:  # the last few sentences go on as a smaller batch
+        keep = jnp.argsort(~state["active"], stable=True)[: sizes[1]]
+        state = {
+            name: x[keep] if name in PER_SLOT or name in start or name == "max_lp" else x
+            for name, x in state.items()
+        }
+        cache = take_cache_rows(cache, (keep[:, None] * k + jnp.arange(k)).reshape(-1))
+        state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
+    out = state["ids"][:m], state["scores"][:m]
+    return (*out, state["rows"]) if count_rows else out
+
+
+def _write_out(r: dict, ended: Array, going: Array, *, k: int, alpha: float, m: int) -> dict:
+    """The state with the k best hypotheses of each ``ended`` slot written at its
+    sentence's row (``going``: the slots still searching, which at their limit let
+    the live beams compete, as beam_search's last step does)."""
+    ids, scores = _best(r | {"active": going}, k, alpha)
+    rows = jnp.where(ended, r["src"], m)
+    return r | {"ids": r["ids"].at[rows].set(ids), "scores": r["scores"].at[rows].set(scores)}

@@ -290,16 +290,22 @@ def beam_search(
 def _advance(r: dict, logp: Array, i, eos_id: int, alpha: float) -> tuple[dict, Array]:
     """From the live beams' next-token ``logp [n, k, v]``: the new live beams (the k best
     candidates that did not end), the finished ones with those ending here, and each
-    new live beam's origin ``[n, k]`` (the beam whose cache rows it continues)."""
+    new live beam's origin ``[n, k]`` (the beam whose cache rows it continues).
+    ``i``: the step, shared by the rows, or ``[n]``, one per row (continuous batching)."""
     n, k, v = logp.shape
     cand = (r["live_logp"][..., None] + logp).reshape(n, k * v)
     top_logp, top_idx = block_top_k(cand, 2 * k)  # 2k: at least k of them are not EOS
     beam, token = top_idx // v, (top_idx % v).astype(jnp.int32)
     seqs = jnp.take_along_axis(r["live_seqs"], beam[..., None], axis=1)
-    seqs = lax.dynamic_update_slice_in_dim(seqs, token[..., None], i, axis=2)
+    if jnp.ndim(i) == 0:
+        seqs = lax.dynamic_update_slice_in_dim(seqs, token[..., None], i, axis=2)
+    else:
+        here = jnp.arange(seqs.shape[2]) == i[:, None, None]
+        seqs = jnp.where(here, token[..., None], seqs)
     is_eos = token == eos_id
     live_logp, pick = lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)
-    penalised = top_logp / length_penalty(jnp.asarray(i + 1, top_logp.dtype), alpha)
+    length = jnp.reshape(jnp.asarray(i + 1, top_logp.dtype), (-1, 1))  # [1, 1] or [n, 1]
+    penalised = top_logp / length_penalty(length, alpha)
     ended = jnp.where(is_eos & (top_logp > NEG_INF / 2), penalised, NEG_INF)
     fin_scores, keep = lax.top_k(jnp.concatenate([r["fin_scores"], ended], axis=1), k)
     fin_seqs = jnp.concatenate([r["fin_seqs"], seqs], axis=1)

@@ -34,7 +34,7 @@ from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.inference import batching, decoding
 from flaxformer_lite.inference.ahead import Ahead, Call, default_streams
-from flaxformer_lite.inference.continuous import greedy_continuous
+from flaxformer_lite.inference.continuous import beam_continuous, greedy_continuous
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
@@ -255,7 +255,7 @@ class Translator:
             groups.append((idx, rows, limit, size, lengths))
         streams = d.streams or default_streams(self.params)
         plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
-        if d.beam_size == 1 and plain and d.continuous and not c.sparse_attention:
+        if plain and d.continuous and not c.sparse_attention:
             batches, calls = self._queues(groups, d, bool(max_length), streams)
         else:
             batches = [g[0] for g in groups]
@@ -269,12 +269,17 @@ class Translator:
         return results
 
     def _queues(self, groups, d, given_limit: bool, streams: int):
-        """Greedy decoding by continuous batching (:mod:`~flaxformer_lite.inference.
-        continuous`): each source width's sentences dealt to ``streams`` queues in turn,
-        each queue one search with a batch's rows as its slots. A queue is padded to
-        ``slots * 2^j`` rows (one program serves test sets of similar sizes); each
-        sentence's limit is :meth:`_search`'s, so the outputs are the same."""
+        """Greedy decoding or beam search by continuous batching (:mod:`~flaxformer_lite.
+        inference.continuous`): each source width's sentences dealt to ``streams`` queues
+        in turn, each queue one search with a batch's rows as its slots. A queue is padded
+        to ``slots * 2^j`` rows (one program serves test sets of similar sizes); each
+        sentence's limit is :meth:`_search`'s (a beam's: its batch's), so the outputs are
+        the same."""
         c, out, calls = self.config, [], []
+        search, beams = greedy_continuous, {}
+        if d.beam_size > 1:
+            search = beam_continuous
+            beams = dict(beam_size=d.beam_size, alpha=float(d.alpha), stop=d.beam_stop)
         for _, same in itertools.groupby(groups, key=lambda g: g[1].shape[1]):
             same = list(same)
             idx = [i for g in same for i in g[0]]
@@ -282,6 +287,8 @@ class Translator:
             n = np.asarray([x for g in same for x in g[4]])
             top = max(g[2] for g in same)
             own = np.full(len(n), top) if given_limit else np.minimum(n + 1 + d.max_extra, top)
+            if d.beam_size > 1:
+                own = np.asarray([g[2] for g in same for _ in g[0]])
             size = decoding.bucket(max(top, same[0][3]), c.max_len)
             for part in range(min(streams, len(idx))):
                 mine = np.arange(part, len(idx), streams)
@@ -294,9 +301,9 @@ class Translator:
                 limits[: len(mine)] = own[mine]
                 out.append([idx[r] for r in mine])
                 calls.append(Call(
-                    greedy_continuous, self.model, self.params, jnp.asarray(padded),
+                    search, self.model, self.params, jnp.asarray(padded),
                     max_length=size, eos_id=c.eos_id, bos_id=c.bos_id, slots=slots,
-                    limit=jnp.asarray(limits), count=jnp.int32(len(mine)),
+                    limit=jnp.asarray(limits), count=jnp.int32(len(mine)), **beams,
                 ))  # fmt: skip
         return out, calls
 
