@@ -46,7 +46,12 @@ def test_continuous_greedy_equals_batched(queue, slots):
     assert int(rows) == int(np.maximum(needed, 1).sum())
 
 
-@pytest.mark.parametrize(("slots", "stop"), [(1, "exact"), (4, "current"), (9, "finished")])
+@pytest.mark.parametrize(
+    ("slots", "stop"),
+    # 4 slots of 9 sentences: refills and the smaller last stage; the others ~4 s each
+    [pytest.param(1, "exact", marks=pytest.mark.slow), (4, "current"),
+     pytest.param(9, "finished", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_continuous_beams_equal_the_batched_search(queue, slots, stop):
     """Each sentence's k hypotheses and scores are beam_search's for a batch with that
     sentence's limit; 4 slots of 9 sentences refill slots and shrink to one."""

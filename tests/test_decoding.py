@@ -480,7 +480,7 @@ def test_a_traced_limit_in_a_larger_cache_gives_the_searches_at_that_length(mode
     assert decoding.beam_search._cache_size() == before  # compiled for limit 9 already
 
 
-@pytest.mark.parametrize("alpha", [0.6, 2.0])
+@pytest.mark.parametrize("alpha", [0.6, pytest.param(2.0, marks=pytest.mark.slow)])
 def test_early_beam_stops_never_beat_the_exact_bound(model_params, alpha):
     """``exact`` stops only when no live beam can win, so its best score is the
     search's; ``current`` and ``finished`` stop on the same path no later than it

@@ -102,7 +102,10 @@ def test_the_pair_tokenizer_gives_marian_tokenizer_ids(opus, tmp_path):
     "shape",
     [
         {"activation": "swish"},
-        {"d_model": 24, "heads": 4, "ffn": 40, "layers": (1, 3), "activation": "relu"},
+        pytest.param(  # ~9 s: the slow tier
+            {"d_model": 24, "heads": 4, "ffn": 40, "layers": (1, 3), "activation": "relu"},
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_an_opus_like_model_computes_their_logits_and_greedy_outputs_here(tmp_path, shape):

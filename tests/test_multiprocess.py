@@ -90,9 +90,11 @@ def _train_losses(workdir) -> dict[int, float]:
 
 @pytest.mark.parametrize(
     "resume",
-    # The default run: two processes train 3 steps as one does. The slow run: they
-    # stop at 3 and resume to 6 (the merged data position of both processes).
-    [False, pytest.param(True, marks=pytest.mark.slow)],
+    # Both in the slow tier (~50 s each on 2 cores: three processes import jax and
+    # compile a train step): two processes train 3 steps as one does; they stop at 3
+    # and resume to 6 (the merged data position of both processes). The default run
+    # keeps the process flags' test below; 8 devices in one process: test_sharding.
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
     ids=["straight", "resumed"],
 )
 def test_two_processes_train_and_resume_like_one(fixture_data, tmp_path, resume):
