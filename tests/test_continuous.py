@@ -47,20 +47,21 @@ def test_continuous_greedy_equals_batched(queue, slots):
 
 
 @pytest.mark.parametrize(
-    ("slots", "stop"),
-    # 4 slots of 9 sentences: refills and the smaller last stage; the others ~4 s each
-    [pytest.param(1, "exact", marks=pytest.mark.slow), (4, "current"),
-     pytest.param(9, "finished", marks=pytest.mark.slow)],
+    ("slots", "stop", "first"),
+    # 4 slots of 9 sentences: refills and the smaller last stage; 5 positions first:
+    # the sentences that outgrow them searched again. The others ~4 s each.
+    [pytest.param(1, "exact", 0, marks=pytest.mark.slow), (4, "current", 5),
+     pytest.param(9, "finished", 0, marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_continuous_beams_equal_the_batched_search(queue, slots, stop):
+def test_continuous_beams_equal_the_batched_search(queue, slots, stop, first):
     """Each sentence's k hypotheses and scores are beam_search's for a batch with that
-    sentence's limit; 4 slots of 9 sentences refill slots and shrink to one."""
+    sentence's limit."""
     model, params, src = queue
     limits = np.array([12, 5, 12, 12, 3, 12, 8, 12, 1])
     kw = dict(beam_size=3, alpha=0.6, stop=stop, **KW)
     ids, scores, rows = beam_continuous(
         model, params, src, slots=slots, limit=jnp.asarray(limits), count=7, count_rows=True,
-        **kw,
+        first_length=first, **kw,
     )  # fmt: skip
     ids, scores = np.asarray(ids), np.asarray(scores)
     for limit in set(limits[:7]):
@@ -74,8 +75,11 @@ def test_continuous_beams_equal_the_batched_search(queue, slots, stop):
         np.testing.assert_allclose(scores[:7][mine], np.asarray(want_scores)[:7][mine], 1e-5)
     assert not ids[7:].any()  # beyond count: never decoded
     assert (ids[:7, :, 0] == KW["eos_id"]).sum() < 7 * 3  # real searches, not all-EOS
-    # no step runs a sentence past its limit: at most 3 rows x its limit each
-    assert 3 <= int(rows) <= 3 * limits[:7].sum()
+    # no step runs a sentence past its limit (nor, searched again, past twice it)
+    assert 3 <= int(rows) <= 3 * limits[:7].sum() * (2 if first else 1)
+    if first:  # some sentence outgrew the first 5 positions and was searched again
+        long = (ids[:7, 0] != 0).sum(axis=1) > first
+        assert long.any() and int(rows) > 3 * first * long.sum()
 
 
 def test_continuous_count_leaves_the_padding_rows(queue):

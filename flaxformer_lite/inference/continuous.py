@@ -169,7 +169,7 @@ def _refill(cache, store, take: Array, src: Array):
     jax.jit,
     static_argnames=(
         "model", "max_length", "eos_id", "bos_id", "slots", "beam_size", "alpha", "stop",
-        "count_rows",
+        "first_length", "count_rows",
     ),
 )  # fmt: skip
 def beam_continuous(
@@ -186,6 +186,7 @@ def beam_continuous(
     limit: Array | None = None,
     count: Array | None = None,
     stop: str = "exact",
+    first_length: int = 0,
     count_rows: bool = False,
 ):
     """Beam search of every row of ``inputs [m, src]`` through ``slots`` sentences of
@@ -198,81 +199,146 @@ def beam_continuous(
     ``stop`` rule, or at its limit) its k best hypotheses are written out and the
     next sentence of the queue starts there at the next step. ``count`` (traced): only
     the first ``count`` rows are decoded. Plain search: no n-gram ban, no length
-    bounds (translate keeps batches for those)."""
+    bounds (translate keeps batches for those).
+
+    ``first_length`` (< max_length): the queue runs with caches of that many positions
+    (every step reorders and reads the whole cache); a sentence still searching when
+    its cache is full leaves its slot, and those sentences are searched again from
+    the start, as a second queue with caches of ``max_length``. The same results; the
+    steps spent on them before are lost, so the length should hold most outputs."""
     if model.config.sparse_attention:
         raise ValueError("continuous batching needs dense self-attention (one index per row)")
     if stop not in BEAM_STOPS:
         raise ValueError(f"stop={stop!r}; choose one of {', '.join(BEAM_STOPS)}")
-    m, k, v = inputs.shape[0], beam_size, model.config.vocab_size
-    s = min(slots, m)
-    wide = score_dtype(model)
+    m = inputs.shape[0]
     limits = jnp.broadcast_to(
         jnp.full((m,), max_length, jnp.int32) if limit is None else limit, (m,)
     )
-    limits = jnp.minimum(limits, max_length)
+    wide = score_dtype(model)
+    search = _BeamQueue(
+        Stepper(model, params, inputs), inputs, jnp.minimum(limits, max_length),
+        k=beam_size, alpha=alpha, stop=stop, eos_id=eos_id, bos_id=bos_id,
+        vocab=model.config.vocab_size, max_length=max_length, wide=wide,
+    )  # fmt: skip
     count = jnp.int32(m) if count is None else jnp.minimum(count, m)
-    stepper = Stepper(model, params, inputs)
-    store = stepper.init_cache(m, 1)  # the queue's cross-attention keys; 1 position
-    cache = grown(take_cache_rows(store, jnp.repeat(jnp.arange(s), k)), max_length)
-
-    def per_row(path, x):
-        return jnp.zeros((s * k,), jnp.int32) if _name(path) in INDEX_LEAVES else x
-
-    cache = jax.tree_util.tree_map_with_path(per_row, cache)
-    # The search state of a sentence that starts (only beam 0 alive, as beam_search's).
-    start = {
-        "live_seqs": jnp.zeros((k, max_length), jnp.int32),
-        "live_logp": jnp.array([0.0] + [NEG_INF] * (k - 1), wide),
-        "fin_seqs": jnp.zeros((k, max_length), jnp.int32),
-        "fin_scores": jnp.full((k,), NEG_INF, wide),
-        "steps": jnp.int32(0),
-    }
-    src = jnp.arange(s, dtype=jnp.int32)
-    state = {
-        **{name: jnp.broadcast_to(x, (s, *x.shape)) for name, x in start.items()},
-        "src": src,
-        "max_lp": length_penalty(limits[src].astype(wide), alpha),
-        "active": src < count,
-        "next": jnp.minimum(count, s),
-        "ids": jnp.zeros((m + 1, k, max_length), jnp.int32),  # row m: nobody's writes
-        "scores": jnp.full((m + 1, k), NEG_INF, wide),
+    out = {
+        "ids": jnp.zeros((m + 1, beam_size, max_length), jnp.int32),  # row m: nobody's
+        "scores": jnp.full((m + 1, beam_size), NEG_INF, wide),
         "rows": jnp.int32(0),
+        "redo": jnp.zeros((m + 1,), jnp.int32),  # the sentences that outgrew the cache
+        "redone": jnp.int32(0),
     }
+    first = first_length if 0 < first_length < max_length else max_length
+    out = search.run(jnp.arange(m, dtype=jnp.int32), count, min(slots, m), first, out)
+    if first < max_length:
+        out = search.run(out["redo"], out["redone"], min(slots, m), max_length, out)
+    result = out["ids"][:m], out["scores"][:m]
+    return (*result, out["rows"]) if count_rows else result
 
-    def body(c):
+
+class _BeamQueue:
+    """The loop of :func:`beam_continuous` over one queue and one cache length."""
+
+    def __init__(self, stepper, inputs, limits, *, k, alpha, stop, eos_id, bos_id, vocab,
+                 max_length, wide):  # fmt: skip
+        self.stepper, self.inputs, self.limits = stepper, inputs, limits
+        self.k, self.alpha, self.stop, self.eos_id, self.bos_id = k, alpha, stop, eos_id, bos_id
+        self.vocab, self.wide = vocab, wide
+        self.store = stepper.init_cache(inputs.shape[0], 1)  # cross-attention keys; 1 position
+        # The search state of a sentence that starts (only beam 0 alive, as beam_search's).
+        self.start = {
+            "live_seqs": jnp.zeros((k, max_length), jnp.int32),
+            "live_logp": jnp.array([0.0] + [NEG_INF] * (k - 1), wide),
+            "fin_seqs": jnp.zeros((k, max_length), jnp.int32),
+            "fin_scores": jnp.full((k,), NEG_INF, wide),
+            "steps": jnp.int32(0),
+        }
+
+    def run(self, order: Array, count: Array, s: int, length: int, out: dict) -> dict:
+        """The sentences ``order[:count]`` searched in ``s`` slots with caches of
+        ``length`` positions; ``out`` with their results (and, where ``length`` is
+        short of the output's, the sentences that outgrew it in ``redo``)."""
+        k = self.k
+        parks = length < self.start["live_seqs"].shape[-1]
+        cache = grown(take_cache_rows(self.store, jnp.repeat(order[:s], k)), length)
+
+        def per_row(path, x):
+            return jnp.zeros((s * k,), jnp.int32) if _name(path) in INDEX_LEAVES else x
+
+        cache = jax.tree_util.tree_map_with_path(per_row, cache)
+        src = order[:s]
+        state = {
+            **{name: jnp.broadcast_to(x, (s, *x.shape)) for name, x in self.start.items()},
+            "src": src,
+            "max_lp": length_penalty(self.limits[src].astype(self.wide), self.alpha),
+            "active": jnp.arange(s) < count,
+            "next": jnp.minimum(count, s),
+            **out,
+        }
+        body = functools.partial(self._step, order=order, count=count, length=length,
+                                 parks=parks)  # fmt: skip
+        sizes = stage_sizes(s, SHRINK)
+
+        def filling(c):
+            r = c[0]
+            running = jnp.sum(r["active"])
+            if len(sizes) == 1:
+                return running > 0
+            return (running > 0) & ((r["next"] < count) | (running > sizes[1]))
+
+        state, cache = lax.while_loop(filling, body, (state, cache))
+        if len(sizes) > 1:  # the last few sentences go on as a smaller batch
+            keep = jnp.argsort(~state["active"], stable=True)[: sizes[1]]
+            state = {name: x if name in out or name == "next" else x[keep]
+                     for name, x in state.items()}  # fmt: skip
+            cache = take_cache_rows(cache, (keep[:, None] * k + jnp.arange(k)).reshape(-1))
+            state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
+        return {name: state[name] for name in out}
+
+    def _step(self, c, *, order, count, length, parks):
         r, cache = c
+        k, m = self.k, self.inputs.shape[0]
         n, src, act, i = r["src"].shape[0], r["src"], r["active"], r["steps"]
         at = jnp.maximum(i - 1, 0)[:, None, None]
         previous = jnp.take_along_axis(r["live_seqs"], at, axis=2)[..., 0]
-        last = jnp.where(i[:, None] == 0, bos_id, previous)
-        logits, cache = stepper(cache, last.reshape(n * k, 1), repeat_rows(inputs[src], k))
-        logp = jax.nn.log_softmax(logits).reshape(n, k, v)
-        new, origin = _advance(r, logp, i, eos_id, alpha)
-        rows = (jnp.arange(n)[:, None] * k + origin).reshape(-1)
-        cache = take_cache_rows(cache, rows, beams_only=True)
+        last = jnp.where(i[:, None] == 0, self.bos_id, previous)
+        inputs = repeat_rows(self.inputs[src], k)
+        logits, cache = self.stepper(cache, last.reshape(n * k, 1), inputs)
+        logp = jax.nn.log_softmax(logits).reshape(n, k, self.vocab)
+        new, origin = _advance(r, logp, i, self.eos_id, self.alpha)
+        cache = take_cache_rows(cache, (jnp.arange(n)[:, None] * k + origin).reshape(-1),
+                                beams_only=True)  # fmt: skip
         r = r | {
             name: jnp.where(act.reshape(n, *[1] * (x.ndim - 1)), x, r[name])
             for name, x in new.items()
         }
         steps = r["steps"]
-        going = act & _undecided(stop, steps, r["live_logp"], r["fin_scores"], alpha, r["max_lp"])
-        running = going & (steps < limits[src])
+        going = act & _undecided(
+            self.stop, steps, r["live_logp"], r["fin_scores"], self.alpha, r["max_lp"]
+        )  # fmt: skip
+        running = going & (steps < self.limits[src])
         ended = act & ~running
-        write = functools.partial(_write_out, k=k, alpha=alpha, m=m)
+        write = functools.partial(_write_out, k=k, alpha=self.alpha, m=m)
         r = lax.cond(jnp.any(ended), write, lambda r, *_: r, r, ended, going)
+        if parks:  # a sentence whose next step has no position left: searched again later
+            full = running & (steps >= length)
+            where = jnp.where(full, r["redone"] + jnp.cumsum(full) - 1, m)
+            r = r | {"redo": r["redo"].at[where].set(src), "redone": r["redone"] + jnp.sum(full)}
+            running = running & ~full
         # Free slots take the next sentences, in queue order.
         free = ~running
         new = r["next"] + jnp.cumsum(free) - 1
         take = free & (new < count)
-        src = jnp.where(take, new, src)
+        src = jnp.where(take, order[jnp.minimum(new, m - 1)], src)
         fresh = {
-            name: jnp.where(take.reshape(n, *[1] * x.ndim), x, r[name]) for name, x in start.items()
+            name: jnp.where(take.reshape(n, *[1] * x.ndim), x, r[name])
+            for name, x in self.start.items()
         }
-        lp = length_penalty(limits[src].astype(wide), alpha)
-        taken = jnp.repeat(take, k)
+        lp = length_penalty(self.limits[src].astype(self.wide), self.alpha)
         cache = lax.cond(
-            jnp.any(take), _refill, lambda c, *_: c, cache, store, taken, jnp.repeat(src, k)
-        )
+            jnp.any(take), _refill, lambda c, *_: c, cache, self.store, jnp.repeat(take, k),
+            jnp.repeat(src, k),
+        )  # fmt: skip
         return r | fresh | {
             "src": src,
             "max_lp": jnp.where(take, lp, r["max_lp"]),
@@ -280,27 +346,6 @@ def beam_continuous(
             "next": r["next"] + jnp.sum(take),
             "rows": r["rows"] + k * jnp.sum(act),
         }, cache
-
-    sizes = stage_sizes(s, SHRINK)
-
-    def filling(c):
-        r = c[0]
-        running = jnp.sum(r["active"])
-        if len(sizes) == 1:
-            return running > 0
-        return (running > 0) & ((r["next"] < count) | (running > sizes[1]))
-
-    state, cache = lax.while_loop(filling, body, (state, cache))
-    if len(sizes) > 1:  # the last few sentences go on as a smaller batch
-        keep = jnp.argsort(~state["active"], stable=True)[: sizes[1]]
-        state = {
-            name: x[keep] if name in PER_SLOT or name in start or name == "max_lp" else x
-            for name, x in state.items()
-        }
-        cache = take_cache_rows(cache, (keep[:, None] * k + jnp.arange(k)).reshape(-1))
-        state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
-    out = state["ids"][:m], state["scores"][:m]
-    return (*out, state["rows"]) if count_rows else out
 
 
 def _write_out(r: dict, ended: Array, going: Array, *, k: int, alpha: float, m: int) -> dict:

@@ -290,6 +290,9 @@ class Translator:
             if d.beam_size > 1:
                 own = np.asarray([g[2] for g in same for _ in g[0]])
             size = decoding.bucket(max(top, same[0][3]), c.max_len)
+            if d.beam_size > 1:  # as _search's; the outputs that outgrow it: searched again
+                extra = 16 * (d.beam_stop == "exact")
+                beams["first_length"] = decoding.bucket(rows.shape[1] + extra, size)
             for part in range(min(streams, len(idx))):
                 mine = np.arange(part, len(idx), streams)
                 # a batch's rows, or fewer for a short queue (every slot runs every step)
