@@ -47,23 +47,36 @@ def test_continuous_greedy_equals_batched(queue, slots):
 
 
 @pytest.mark.parametrize(
-    ("slots", "stop", "first"),
+    ("slots", "stop", "first", "rules"),
     # 4 slots of 9 sentences: refills and the smaller last stage; 5 positions first:
-    # the sentences that outgrow them searched again. The others ~4 s each.
-    [pytest.param(1, "exact", 0, marks=pytest.mark.slow), (4, "current", 5),
-     pytest.param(9, "finished", 0, marks=pytest.mark.slow)],
+    # the sentences that outgrow them searched again; each sentence its own length
+    # bounds, no repeated 2-grams. The others ~4 s each.
+    [pytest.param(1, "exact", 0, False, marks=pytest.mark.slow), (4, "current", 5, True),
+     pytest.param(4, "current", 5, False, marks=pytest.mark.slow),
+     pytest.param(9, "finished", 0, False, marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_continuous_beams_equal_the_batched_search(queue, slots, stop, first):
+def test_continuous_beams_equal_the_batched_search(queue, slots, stop, first, rules):
     """Each sentence's k hypotheses and scores are beam_search's for a batch with that
-    sentence's limit."""
+    sentence's limit (and bounds)."""
     model, params, src = queue
     limits = np.array([12, 5, 12, 12, 3, 12, 8, 12, 1])
     kw = dict(beam_size=3, alpha=0.6, stop=stop, **KW)
+    if rules:
+        kw |= dict(no_repeat_ngram=2, min_lengths=jnp.array([4, 2, 0, 6, 0, 3, 0, 1, 0]),
+                   max_lengths=jnp.array([9, 4, 11, 12, 2, 7, 5, 10, 0]))  # fmt: skip
     ids, scores, rows = beam_continuous(
         model, params, src, slots=slots, limit=jnp.asarray(limits), count=7, count_rows=True,
         first_length=first, **kw,
     )  # fmt: skip
     ids, scores = np.asarray(ids), np.asarray(scores)
+    if rules:  # the rules hold: no 2-gram twice, EOS within each sentence's bounds
+        eos = ids[:7] == KW["eos_id"]
+        ends = np.where(eos.any(axis=2), np.argmax(eos, axis=2), 12)
+        assert np.all(ends >= np.asarray(kw["min_lengths"])[:7, None])
+        assert np.all(ends <= np.asarray(kw["max_lengths"])[:7, None])
+        for seq, end in zip(ids[:7].reshape(-1, 12), ends.reshape(-1), strict=True):
+            pairs = list(zip(seq[:end], seq[1:end], strict=False))
+            assert len(set(pairs)) == len(pairs)
     for limit in set(limits[:7]):
         want_ids, want_scores = decoding.beam_search(
             model, params, src, limit=jnp.int32(limit), shrink=0, **kw

@@ -13,6 +13,7 @@ import pytest
 
 from flaxformer_lite.config.model import ConfigError
 from flaxformer_lite.inference import batching, decoding
+from flaxformer_lite.inference import translate as translate_module
 from flaxformer_lite.inference.evaluation import evaluate_workdir
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.model.partitioning import unbox
@@ -43,11 +44,15 @@ def test_translate_returns_strings_in_order(run):
     )
 
 
-@pytest.mark.parametrize("beam", [1, 3])
-def test_continuous_batching_translates_as_batches_do(run, beam):
+RULES = dict(no_repeat_ngram=2, min_length_ratio=0.5, max_length_ratio=1.5)
+
+
+@pytest.mark.parametrize(("beam", "rules"), [(1, {}), (3, RULES)])
+def test_continuous_batching_translates_as_batches_do(run, beam, rules):
     """Greedy and beam search by continuous batching (the default) give each sentence
     what the batch by batch search gives: two source widths, several batches each (a
-    beam sentence keeps its batch's limit), 1 and 2 streams.
+    beam sentence keeps its batch's limit; here with length ratios and no repeated
+    2-grams), 1 and 2 streams.
     The run's model with random weights (the trained 6 steps end some machines'
     outputs at once, whose float rounding breaks the EOS tie another way) gives each
     sentence its own output: a sentence given another's slot shows."""
@@ -60,11 +65,11 @@ def test_continuous_batching_translates_as_batches_do(run, beam):
     sentences = [" ".join(words[(i + j) % 7] for j in range(1 + i)) for i in range(20)]
     sentences += [f"This is sentence number {i}." for i in range(5)]
     t.decode = t.decode.replace(batch_tokens=64, streams=1, continuous=False, max_extra=2)
-    want = t.translate(sentences, beam_size=beam)
+    want = t.translate(sentences, beam_size=beam, **rules)
     assert len(set(want)) > 10
     for streams in (1, 2):
         t.decode = t.decode.replace(streams=streams, continuous=True)
-        assert t.translate(sentences, beam_size=beam) == want
+        assert t.translate(sentences, beam_size=beam, **rules) == want
 
 
 def test_bad_input_messages(run, monkeypatch):
@@ -82,22 +87,24 @@ def test_bad_input_messages(run, monkeypatch):
     with pytest.raises(ConfigError, match="min_length_ratio=2 exceeds max_length_ratio=1"):
         t.translate(["a b c"], min_length_ratio=2, max_length_ratio=1)
     # Length bounds tied to the source: the search gets floor(0.5 n) and ceil(1.5 n) + 5
-    # for a source of n pieces (their effect on the search: tests/test_decoding.py).
-    seen = {}
-    real = decoding.beam_search
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decoding, "beam_search", spy)
+    # for a source of n pieces (their effect on the search: tests/test_decoding.py), by
+    # continuous batching (the default) and batch by batch.
     n = len(t.tokenizer.encode("a b c d e")) - 1
-    assert isinstance(
-        t.translate(["a b c d e"], beam_size=2, min_length_ratio=0.5, max_length_ratio=1.5)[0], str
-    )
-    assert int(seen["min_lengths"][0]) == n // 2
-    assert int(seen["max_lengths"][0]) == -(-3 * n // 2) + 5
-    monkeypatch.undo()
+    for module, name, continuous in ((translate_module, "beam_continuous", True),
+                                     (decoding, "beam_search", False)):  # fmt: skip
+        seen, real = {}, getattr(module, name)
+
+        def spy(*args, real=real, seen=seen, **kwargs):
+            seen.update(kwargs)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+        t.decode = t.decode.replace(continuous=continuous)
+        out = t.translate(["a b c d e"], beam_size=2, min_length_ratio=0.5, max_length_ratio=1.5)
+        assert isinstance(out[0], str)
+        assert int(seen["min_lengths"][0]) == n // 2
+        assert int(seen["max_lengths"][0]) == -(-3 * n // 2) + 5
+        monkeypatch.undo()
     # Greedy under the no-repeat rule runs as a beam of one.
     assert t.translate(["a b c"], beam_size=1, no_repeat_ngram=2)[0] is not None
     with pytest.raises(TranslateError, match="a list of sentences, not one string"):

@@ -340,8 +340,8 @@ class DecodeConfig(Section):
     streams: int = option(0, "decoding batches run at once (0 = 2 on CPU for a model on "
         "one device, else 1)", rule=NON_NEGATIVE)  # fmt: skip
     continuous: bool = option(True, "greedy and beam search: a row (or beams) whose "
-        "sentence ended takes the next one (continuous batching; dense self-attention, "
-        "no n-gram ban or length ratio; the same outputs)")  # fmt: skip
+        "sentence ended takes the next one (continuous batching; dense self-attention; "
+        "greedy without an n-gram ban or length ratio; the same outputs)")  # fmt: skip
 
     def check(self) -> None:
         rules.check_decode(self)

@@ -68,3 +68,19 @@ def output_limit(length: int, decode, max_len: int, max_length: int | None = Non
     if decode.max_length_ratio:  # no row outlives its own bound
         limit = min(limit, math.ceil(decode.max_length_ratio * (length - 1)) + 6)
     return limit
+
+
+def length_bounds(decode, lengths: np.ndarray, limit, real: np.ndarray) -> dict:
+    """A beam search's bounds on each sentence's tokens before EOS under ``decode``'s
+    length ratios (``lengths``: source pieces, EOS excluded; ``limit``: the batch's
+    output limit, or one per sentence): ``min_lengths`` with ``min_length_ratio``, and
+    ``max_lengths`` for every row, so that padding rows (not ``real``: 0) end at once."""
+    bounds = {}
+    if decode.min_length_ratio:
+        least = np.minimum(np.floor(decode.min_length_ratio * lengths), np.asarray(limit) - 1)
+        bounds["min_lengths"] = least.astype(np.int32)
+    most = np.broadcast_to(limit, lengths.shape)
+    if decode.max_length_ratio:
+        most = np.ceil(decode.max_length_ratio * lengths) + 5
+    bounds["max_lengths"] = np.where(real, most, 0).astype(np.int32)
+    return bounds

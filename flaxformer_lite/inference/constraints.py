@@ -76,17 +76,26 @@ def filter_logits(logits: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
 
 def repeated_ngram_mask(seqs: Array, length: Array, n: int, vocab_size: int) -> Array:
     """``[..., vocab]`` True where appending the token to ``seqs[..., :length]`` would
-    repeat an ``n``-gram already in it (fairseq's ``--no-repeat-ngram-size``)."""
+    repeat an ``n``-gram already in it (fairseq's ``--no-repeat-ngram-size``).
+    ``length``: shared, or one per leading row (``[b]`` for ``seqs [b, k, t]``)."""
     *lead, t = seqs.shape
     flat = seqs.reshape(-1, t)
     windows = t - n + 1
     if windows <= 0:
         return jnp.zeros((*lead, vocab_size), bool)
-    # The n-1 tokens before the next one, and every earlier n-gram's first n-1 tokens.
-    prefix = [
-        lax.dynamic_index_in_dim(flat, jnp.maximum(length - n + 1 + m, 0), 1, False)
-        for m in range(n - 1)
-    ]
+    if jnp.ndim(length):  # each row its own length
+        length = jnp.broadcast_to(jnp.reshape(length, (-1, *[1] * (len(lead) - 1))), lead)
+        length = length.reshape(-1, 1)
+        prefix = [
+            jnp.take_along_axis(flat, jnp.maximum(length - n + 1 + m, 0), axis=1)[:, 0]
+            for m in range(n - 1)
+        ]
+    else:
+        # The n-1 tokens before the next one, and every earlier n-gram's first n-1 tokens.
+        prefix = [
+            lax.dynamic_index_in_dim(flat, jnp.maximum(length - n + 1 + m, 0), 1, False)
+            for m in range(n - 1)
+        ]
     match = jnp.arange(windows)[None, :] <= length - n  # n-grams that lie in the prefix
     for m in range(n - 1):
         match &= flat[:, m : m + windows] == prefix[m][:, None]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from flaxformer_lite.config.experiment import BEAM_STOPS
-from flaxformer_lite.inference.constraints import NEG_INF
+from flaxformer_lite.inference.constraints import NEG_INF, constrain
 from flaxformer_lite.inference.decoding import _advance, _best, _undecided, length_penalty
 from flaxformer_lite.inference.stepping import (
     SOURCE_LEAVES,
@@ -169,7 +169,7 @@ def _refill(cache, store, take: Array, src: Array):
     jax.jit,
     static_argnames=(
         "model", "max_length", "eos_id", "bos_id", "slots", "beam_size", "alpha", "stop",
-        "first_length", "count_rows",
+        "first_length", "no_repeat_ngram", "count_rows",
     ),
 )  # fmt: skip
 def beam_continuous(
@@ -187,6 +187,9 @@ def beam_continuous(
     count: Array | None = None,
     stop: str = "exact",
     first_length: int = 0,
+    no_repeat_ngram: int = 0,
+    min_lengths: Array | None = None,
+    max_lengths: Array | None = None,
     count_rows: bool = False,
 ):
     """Beam search of every row of ``inputs [m, src]`` through ``slots`` sentences of
@@ -198,8 +201,8 @@ def beam_continuous(
     A slot's k rows keep one position between them; when its sentence is done (by the
     ``stop`` rule, or at its limit) its k best hypotheses are written out and the
     next sentence of the queue starts there at the next step. ``count`` (traced): only
-    the first ``count`` rows are decoded. Plain search: no n-gram ban, no length
-    bounds (translate keeps batches for those).
+    the first ``count`` rows are decoded. ``no_repeat_ngram``, ``min_lengths`` and
+    ``max_lengths`` (``[m]``): beam_search's rules, each sentence under its own.
 
     ``first_length`` (< max_length): the queue runs with caches of that many positions
     (every step reorders and reads the whole cache); a sentence still searching when
@@ -219,6 +222,7 @@ def beam_continuous(
         Stepper(model, params, inputs), inputs, jnp.minimum(limits, max_length),
         k=beam_size, alpha=alpha, stop=stop, eos_id=eos_id, bos_id=bos_id,
         vocab=model.config.vocab_size, max_length=max_length, wide=wide,
+        rules=(no_repeat_ngram, min_lengths, max_lengths),
     )  # fmt: skip
     count = jnp.int32(m) if count is None else jnp.minimum(count, m)
     out = {
@@ -240,8 +244,11 @@ class _BeamQueue:
     """The loop of :func:`beam_continuous` over one queue and one cache length."""
 
     def __init__(self, stepper, inputs, limits, *, k, alpha, stop, eos_id, bos_id, vocab,
-                 max_length, wide):  # fmt: skip
-        self.stepper, self.inputs, self.limits = stepper, inputs, limits
+                 max_length, wide, rules):  # fmt: skip
+        self.stepper, self.inputs, self.limits, self.rules = stepper, inputs, limits, rules
+        # the longest output each sentence can reach (beam_search's ``longest``)
+        most = rules[2]
+        self.longest = limits if most is None else jnp.minimum(limits, most + 1)
         self.k, self.alpha, self.stop, self.eos_id, self.bos_id = k, alpha, stop, eos_id, bos_id
         self.vocab, self.wide = vocab, wide
         self.store = stepper.init_cache(inputs.shape[0], 1)  # cross-attention keys; 1 position
@@ -270,7 +277,7 @@ class _BeamQueue:
         state = {
             **{name: jnp.broadcast_to(x, (s, *x.shape)) for name, x in self.start.items()},
             "src": src,
-            "max_lp": length_penalty(self.limits[src].astype(self.wide), self.alpha),
+            "max_lp": length_penalty(self.longest[src].astype(self.wide), self.alpha),
             "active": jnp.arange(s) < count,
             "next": jnp.minimum(count, s),
             **out,
@@ -305,6 +312,10 @@ class _BeamQueue:
         inputs = repeat_rows(self.inputs[src], k)
         logits, cache = self.stepper(cache, last.reshape(n * k, 1), inputs)
         logp = jax.nn.log_softmax(logits).reshape(n, k, self.vocab)
+        ngram, least, most = self.rules
+        logp = constrain(logp, r["live_seqs"], i, self.eos_id, ngram,
+                         None if least is None else least[src],
+                         None if most is None else most[src])  # fmt: skip
         new, origin = _advance(r, logp, i, self.eos_id, self.alpha)
         cache = take_cache_rows(cache, (jnp.arange(n)[:, None] * k + origin).reshape(-1),
                                 beams_only=True)  # fmt: skip
@@ -334,7 +345,7 @@ class _BeamQueue:
             name: jnp.where(take.reshape(n, *[1] * x.ndim), x, r[name])
             for name, x in self.start.items()
         }
-        lp = length_penalty(self.limits[src].astype(self.wide), self.alpha)
+        lp = length_penalty(self.longest[src].astype(self.wide), self.alpha)
         cache = lax.cond(
             jnp.any(take), _refill, lambda c, *_: c, cache, self.store, jnp.repeat(take, k),
             jnp.repeat(src, k),

@@ -59,6 +59,13 @@ class TranslateError(ValueError):
     """Bad input to the translator; the message names the value and the fix."""
 
 
+def _padded(x: np.ndarray, rows: np.ndarray, m: int):
+    """``x[rows]`` as int32, then zero rows up to ``m`` (a queue's padding)."""
+    out = np.zeros((m, *x.shape[1:]), np.int32)
+    out[: len(rows)] = x[rows]
+    return jnp.asarray(out)
+
+
 class Translator:
     """Translates (encoder-decoder runs) or continues text (language-model runs)
     with a model's parameters and its tokenizer.
@@ -255,7 +262,7 @@ class Translator:
             groups.append((idx, rows, limit, size, lengths))
         streams = d.streams or default_streams(self.params)
         plain = not (d.no_repeat_ngram or d.min_length_ratio or d.max_length_ratio)
-        if plain and d.continuous and not c.sparse_attention:
+        if (plain or d.beam_size > 1) and d.continuous and not c.sparse_attention:
             batches, calls = self._queues(groups, d, bool(max_length), streams)
         else:
             batches = [g[0] for g in groups]
@@ -279,7 +286,8 @@ class Translator:
         search, beams = greedy_continuous, {}
         if d.beam_size > 1:
             search = beam_continuous
-            beams = dict(beam_size=d.beam_size, alpha=float(d.alpha), stop=d.beam_stop)
+            beams = dict(beam_size=d.beam_size, alpha=float(d.alpha), stop=d.beam_stop,
+                         no_repeat_ngram=d.no_repeat_ngram)  # fmt: skip
         for _, same in itertools.groupby(groups, key=lambda g: g[1].shape[1]):
             same = list(same)
             idx = [i for g in same for i in g[0]]
@@ -287,10 +295,10 @@ class Translator:
             n = np.asarray([x for g in same for x in g[4]])
             top = max(g[2] for g in same)
             own = np.full(len(n), top) if given_limit else np.minimum(n + 1 + d.max_extra, top)
-            if d.beam_size > 1:
-                own = np.asarray([g[2] for g in same for _ in g[0]])
-            size = decoding.bucket(max(top, same[0][3]), c.max_len)
+            size, bounds = decoding.bucket(max(top, same[0][3]), c.max_len), {}
             if d.beam_size > 1:  # as _search's; the outputs that outgrow it: searched again
+                own = np.asarray([g[2] for g in same for _ in g[0]])
+                bounds = batching.length_bounds(d, n, own, np.ones(len(n), bool))
                 extra = 16 * (d.beam_stop == "exact")
                 beams["first_length"] = decoding.bucket(rows.shape[1] + extra, size)
             for part in range(min(streams, len(idx))):
@@ -298,15 +306,13 @@ class Translator:
                 # a batch's rows, or fewer for a short queue (every slot runs every step)
                 slots = min(same[0][1].shape[0], 2 ** math.ceil(math.log2(len(mine))))
                 m = slots * 2 ** math.ceil(math.log2(math.ceil(len(mine) / slots)))
-                padded = np.zeros((m, rows.shape[1]), np.int32)
-                padded[: len(mine)] = rows[mine]
-                limits = np.zeros(m, np.int32)
-                limits[: len(mine)] = own[mine]
                 out.append([idx[r] for r in mine])
+                arrays = {"limit": own, **bounds}
                 calls.append(Call(
-                    search, self.model, self.params, jnp.asarray(padded),
+                    search, self.model, self.params, _padded(rows, mine, m),
                     max_length=size, eos_id=c.eos_id, bos_id=c.bos_id, slots=slots,
-                    limit=jnp.asarray(limits), count=jnp.int32(len(mine)), **beams,
+                    count=jnp.int32(len(mine)), **beams,
+                    **{name: _padded(x, mine, m) for name, x in arrays.items()},
                 ))  # fmt: skip
         return out, calls
 
@@ -334,14 +340,7 @@ class Translator:
                 decoding.sample, self.model, self.params, jnp.asarray(rows), max_length=size,
                 eos_id=c.eos_id, bos_id=c.bos_id, limit=own,
             )  # fmt: skip
-        bounds = {}
-        if d.min_length_ratio:
-            bounds["min_lengths"] = jnp.asarray(
-                np.minimum(np.floor(d.min_length_ratio * n), limit - 1), jnp.int32
-            )
-        # Every row gets a maximum, so that padding rows (0: only EOS) end at once.
-        most = np.ceil(d.max_length_ratio * n) + 5 if d.max_length_ratio else np.full(len(n), limit)
-        bounds["max_lengths"] = jnp.asarray(np.where(real, most, 0), jnp.int32)
+        bounds = {k: jnp.asarray(v) for k, v in batching.length_bounds(d, n, limit, real).items()}
         return Call(
             decoding.beam_search, self.model, self.params, jnp.asarray(rows),
             beam_size=d.beam_size, alpha=float(d.alpha), max_length=size, eos_id=c.eos_id,
