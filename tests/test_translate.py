@@ -147,13 +147,13 @@ def test_ensemble_members(run, monkeypatch):
     three = Translator.from_workdir(workdir, ensemble=[f"@{step}", f"{workdir}@{step}"])
     assert f"{workdir}@{step}" in three.checkpoint
     seen = []
-    real = decoding.beam_search
+    real = translate_module.beam_continuous  # beams by continuous batching (the default)
 
     def spy(model, params, *args, **kw):
         seen.append(params)
         return real(model, params, *args, **kw)
 
-    monkeypatch.setattr(decoding, "beam_search", spy)
+    monkeypatch.setattr(translate_module, "beam_continuous", spy)
     out = three.translate(sentences, beam_size=2)
     assert len(out) == 2 and all(isinstance(s, str) for s in out)
     assert len(seen[0]) == 3

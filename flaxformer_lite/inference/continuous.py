@@ -129,24 +129,30 @@ def greedy_continuous(
         }
         return state, cache
 
-    # Once the queue is empty and few rows still run, they go on in a smaller batch (as
-    # run_shrinking's second stage): every slot runs every step.
+    state = _queue_loop(body, state, cache, count, s, set(state) - set(PER_SLOT))
+    return (state["out"][:m], state["rows"]) if count_rows else state["out"][:m]
+
+
+def _queue_loop(body, state: dict, cache, count: Array, s: int, shared, k: int = 1) -> dict:
+    """``body`` over (state, cache) while the queue fills the ``s`` slots; once it is
+    empty and few slots still run, those go on in a smaller batch (run_shrinking's
+    second stage; every slot runs every step) to the end. ``shared``: the state's
+    entries that are not one per slot; ``k``: cache rows per slot."""
     sizes = stage_sizes(s, SHRINK)
 
     def filling(c):
-        state = c[0]
-        running = jnp.sum(state["active"])
+        running = jnp.sum(c[0]["active"])
         if len(sizes) == 1:
             return running > 0
-        return (running > 0) & ((state["next"] < count) | (running > sizes[1]))
+        return (running > 0) & ((c[0]["next"] < count) | (running > sizes[1]))
 
     state, cache = lax.while_loop(filling, body, (state, cache))
     if len(sizes) > 1:
         keep = jnp.argsort(~state["active"], stable=True)[: sizes[1]]
-        state = {k: v[keep] if k in PER_SLOT else v for k, v in state.items()}
-        cache = take_cache_rows(cache, keep)
+        state = {name: x if name in shared else x[keep] for name, x in state.items()}
+        cache = take_cache_rows(cache, (keep[:, None] * k + jnp.arange(k)).reshape(-1))
         state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
-    return (state["out"][:m], state["rows"]) if count_rows else state["out"][:m]
+    return state
 
 
 def _refill(cache, store, take: Array, src: Array):
@@ -284,22 +290,7 @@ class _BeamQueue:
         }
         body = functools.partial(self._step, order=order, count=count, length=length,
                                  parks=parks)  # fmt: skip
-        sizes = stage_sizes(s, SHRINK)
-
-        def filling(c):
-            r = c[0]
-            running = jnp.sum(r["active"])
-            if len(sizes) == 1:
-                return running > 0
-            return (running > 0) & ((r["next"] < count) | (running > sizes[1]))
-
-        state, cache = lax.while_loop(filling, body, (state, cache))
-        if len(sizes) > 1:  # the last few sentences go on as a smaller batch
-            keep = jnp.argsort(~state["active"], stable=True)[: sizes[1]]
-            state = {name: x if name in out or name == "next" else x[keep]
-                     for name, x in state.items()}  # fmt: skip
-            cache = take_cache_rows(cache, (keep[:, None] * k + jnp.arange(k)).reshape(-1))
-            state, _ = lax.while_loop(lambda c: jnp.any(c[0]["active"]), body, (state, cache))
+        state = _queue_loop(body, state, cache, count, s, {*out, "next"}, k)
         return {name: state[name] for name in out}
 
     def _step(self, c, *, order, count, length, parks):
