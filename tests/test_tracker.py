@@ -4,6 +4,7 @@ run, and the run folder W&B writes holds them (read back with W&B's own record f
 wandb.proto); without the wandb package the field is refused with the fix."""
 
 import struct
+import time
 
 import pytest
 
@@ -38,6 +39,23 @@ def _records(path):
     return out
 
 
+def _settled(folder, runs: int, timeout: float = 60.0) -> None:
+    """Wait until ``runs`` run files under ``folder`` each end with their exit record:
+    ``run.finish()`` returns before W&B's service has written all of its file (a busy
+    machine read a summary missing right after finish, present a moment later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        paths = sorted(folder.glob("wandb/offline-run-*/run-*.wandb"))
+        try:
+            kinds = [[r.WhichOneof("record_type") for r in _records(p)] for p in paths]
+        except Exception:  # a record half-written: read again
+            kinds = []
+        if len(kinds) == runs and all("exit" in k for k in kinds):
+            return
+        assert time.monotonic() < deadline, f"W&B wrote {len(kinds)} of {runs} whole runs"
+        time.sleep(0.2)
+
+
 def _history(folder):
     """{(step, key): value} of every history record under a workdir's wandb folder."""
     values = {}
@@ -69,6 +87,7 @@ def test_metrics_reach_an_offline_run_and_a_resume_continues_it(tmp_path, monkey
     scores.summary({"test/bleu": 7.5})
     scores.close()
     assert (tmp_path / RUN_ID_FILE).read_text() == run_id
+    _settled(tmp_path, runs=3)
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and all(run_id in r.name for r in runs)  # one W&B run id
     history = _history(tmp_path)
