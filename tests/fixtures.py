@@ -261,3 +261,32 @@ def triton_lowering(loss, *shapes) -> str:
     with target:
         exported = export.export(grad, platforms=["cuda"], disabled_checks=[triton])(*shapes)
     return exported.mlir_module()
+
+
+class Compiles:
+    """The threads of the XLA compilations started while the ``with`` block runs (jax's
+    own compile event, which also fires where the persistent cache supplies the
+    program): ``len(compiles.threads)`` counts them. Unlike a jitted function's
+    in-memory cache size, it does not depend on which dispatch path a call took."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.threads: list[str] = []
+
+    def _listen(self, event, duration, **kw):
+        import threading
+
+        if event == self.EVENT:
+            self.threads.append(threading.current_thread().name)
+
+    def __enter__(self) -> Compiles:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._listen)

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from flaxformer_lite.inference.ahead import Ahead, Call, default_streams
+from tests.fixtures import Compiles
 
 
 class _Spy:
@@ -34,24 +35,15 @@ def test_each_program_compiles_once_ahead_in_order_and_the_calls_reuse_it():
     spy = _Spy(f)
     xs = [jnp.arange(n, dtype=jnp.float32) for n in (16, 16, 32, 16, 8)]
     calls = [Call(spy, x, limit=jnp.int32(i)) for i, x in enumerate(xs)]
-    compiled_in = []  # the thread of each XLA compilation (jax's own monitoring event)
-
-    def listen(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled_in.append(threading.current_thread().name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        with Ahead(calls) as ahead:
-            outs = [ahead.run(c) for c in calls]
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    with Compiles() as compiles, Ahead(calls) as ahead:
+        outs = [ahead.run(c) for c in calls]
     assert [shape for _, shape in spy.lowered] == [(16,), (32,), (8,)]  # order of first use
     assert all(name.startswith("compile-ahead") for name, _ in spy.lowered)
     # The calls found the programs compiled ahead: no compilation in the calling thread.
     # (Not jit's in-memory cache size: whether a call lands there is jax's dispatch
     # detail, and it read 0 in one CI worker after other tests had run.)
-    assert len(compiled_in) == 3 and all(n.startswith("compile-ahead") for n in compiled_in)
+    assert len(compiles.threads) == 3
+    assert all(n.startswith("compile-ahead") for n in compiles.threads)
     for i, (x, out) in enumerate(zip(xs, outs, strict=True)):
         np.testing.assert_array_equal(out, np.cumsum(np.asarray(x)) * i)
 

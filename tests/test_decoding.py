@@ -15,7 +15,7 @@ from flaxformer_lite import LanguageModel, ModelConfig, Transformer
 from flaxformer_lite.inference import constraints, decoding
 from flaxformer_lite.inference.evaluation import corpus_scores
 from flaxformer_lite.model.partitioning import unbox
-from tests.fixtures import OPTIMIZED
+from tests.fixtures import OPTIMIZED, Compiles
 
 CFG = ModelConfig(
     vocab_size=40,
@@ -471,13 +471,13 @@ def test_a_traced_limit_in_a_larger_cache_gives_the_searches_at_that_length(mode
         assert not np.any(ids2[..., limit:])
         # the same sums over a longer, masked cache: float32 round-off
         np.testing.assert_allclose(scores2, scores, rtol=1e-5)
-    before = decoding.beam_search._cache_size()
-    for limit in (10, 11, 13):  # one bucket: nothing new to compile
-        decoding.beam_search(
-            model, params, SRC, beam_size=3, alpha=0.6, max_length=16, eos_id=1, bos_id=2,
-            limit=jnp.int32(limit),
-        )  # fmt: skip
-    assert decoding.beam_search._cache_size() == before  # compiled for limit 9 already
+    with Compiles() as compiles:
+        for limit in (10, 11, 13):  # one bucket: nothing new to compile
+            decoding.beam_search(
+                model, params, SRC, beam_size=3, alpha=0.6, max_length=16, eos_id=1, bos_id=2,
+                limit=jnp.int32(limit),
+            )  # fmt: skip
+    assert not compiles.threads  # compiled for limit 9 already
 
 
 @pytest.mark.parametrize("alpha", [0.6, pytest.param(2.0, marks=pytest.mark.slow)])
