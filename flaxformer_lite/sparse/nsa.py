@@ -10,7 +10,8 @@ Three branches over the same queries, mixed by learned gates per head and query:
   through a learned per-head projection (``W_k``, ``W_v``, identity at start: the
   paper's MLP over a block, reduced to mean pooling plus a projection); a query sees
   the compressed blocks that end at or before it (causal), of its own segment; cost
-  ``n * n / B``, a query block at a time;
+  ``n * n / B``, a query block at a time (causal: the queries in four parts, each
+  scoring only the blocks before its end, 5/8 of that);
 - **selected**: each query's attention probabilities over the compressed blocks rank
   the key blocks; it reads its own block and the ``K - 1`` most probable earlier ones
   at full resolution (:mod:`~flaxformer_lite.sparse.routed_chunks`, ``n * K * B``), as
@@ -48,7 +49,7 @@ from flaxformer_lite.sparse.routed import (
     _present,
     _spans,
     decode_mask,
-    per_block,
+    per_block_causal,
     pooled,
     token_candidates,
     top_blocks,
@@ -90,21 +91,28 @@ def _compressed(q, kc, vc, present, segments, block, causal, others):
     """(normalised compressed output ``[b, h, N, dv]``, the selection :class:`Routing`):
     the queries against the compressed keys, a query block at a time (recomputed
     backward); each query's selection is its ``others`` most probable compressed blocks
-    among its candidates (the paper's importance, per query and head)."""
+    among its candidates (the paper's importance, per query and head). Causal queries
+    go in parts, each against the compressed blocks that end before its
+    last query (:func:`~flaxformer_lite.sparse.routed.per_block_causal`)."""
 
-    def one(a, qa):  # [b, h, B, d]
-        visible = compressed_visible(present, segments, block, causal, a)
-        scores = jnp.einsum("bhqd,bhjd->bhqj", qa, kc)
-        part = partial_softmax(scores, visible, lambda p: jnp.einsum("bhqj,bhjv->bhqv", p, vc))
-        if others <= 0:
-            empty = jnp.zeros((*qa.shape[:3], 0), jnp.int32)
-            return normalise(part.o, part.l), empty, empty.astype(bool)
-        probs = jnp.exp(jnp.where(visible, scores, NEG) - part.m[..., None])
-        probs = probs / jnp.where(part.l > 0, part.l, 1.0)[..., None]
-        allowed = token_candidates(present, segments, block, causal, a)
-        return (normalise(part.o, part.l), *top_blocks(probs, allowed, others))
+    def upto(w):  # queries against the first w compressed blocks
+        kw, vw = kc[:, :, :w], vc[:, :, :w]
 
-    out, table, valid = per_block(one, q, block)
+        def one(a, qa):  # [b, h, B, d]
+            visible = compressed_visible(present, segments, block, causal, a)[..., :w]
+            scores = jnp.einsum("bhqd,bhjd->bhqj", qa, kw)
+            part = partial_softmax(scores, visible, lambda p: jnp.einsum("bhqj,bhjv->bhqv", p, vw))
+            if others <= 0:
+                empty = jnp.zeros((*qa.shape[:3], 0), jnp.int32)
+                return normalise(part.o, part.l), empty, empty.astype(bool)
+            probs = jnp.exp(jnp.where(visible, scores, NEG) - part.m[..., None])
+            probs = probs / jnp.where(part.l > 0, part.l, 1.0)[..., None]
+            allowed = token_candidates(present, segments, block, causal, a)[..., :w]
+            return (normalise(part.o, part.l), *top_blocks(probs, allowed, others))
+
+        return one
+
+    out, table, valid = per_block_causal(upto, q, block, causal, others)
     return out, Routing(table, valid)
 
 
