@@ -141,6 +141,7 @@ def main() -> None:
     # BEAMS,STOP,CONTINUOUS (1 or 0): a child process's run
     parser.add_argument("--first_calls", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before the measuring, not after it
     probe = Translator.from_workdir(args.workdir)
     run = probe.run
     d = run.config.data

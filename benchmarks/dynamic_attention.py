@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before the measuring, not after it
     rows = []
     for n in (int(x) for x in args.lengths.split(",")):
         for name in args.kernels.split(","):

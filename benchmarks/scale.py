@@ -143,6 +143,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale"))
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before the measuring, not after it
     meshes = args.meshes.split(",")
     rows = []
     for name in args.models.split(","):
