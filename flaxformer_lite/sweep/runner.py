@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from tensorboardX import SummaryWriter
 
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.data import synthetic
@@ -60,6 +59,7 @@ from flaxformer_lite.sweep.record import RESULTS_JSONL, SPEC_FILE
 from flaxformer_lite.sweep.report import METRICS, summarize
 from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError, parse_axis
 from flaxformer_lite.training.flops import train_step_flops
+from flaxformer_lite.training.logging import summary_writer_class
 from flaxformer_lite.workdir.folder import read_config
 
 RESULT_FILE = "sweep_result.json"  # in a run's folder: the run is finished
@@ -240,7 +240,7 @@ def _hparams(workdir: Path, sweep: Sweep, spec: RunSpec, row: dict[str, Any]) ->
         for k, v in row.items()
         if k in METRICS and isinstance(v, int | float) and v is not None
     }
-    with SummaryWriter(str(workdir / "tensorboard")) as writer:
+    with summary_writer_class()(str(workdir / "tensorboard")) as writer:
         writer.add_hparams(hparams, metrics, name=spec.folder)
 
 

@@ -29,6 +29,22 @@ def _format_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without PyTorch: its writer module imports
+    torch, where installed, only to accept torch tensors (this logger passes floats),
+    and that import costs a training process 4-5 s of start-up. Where torch is already
+    loaded (or tensorboardX is), the plain import."""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # ``import torch`` raises ImportError meanwhile
+        try:
+            import tensorboardX  # noqa: F401
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter
+
+
 class MetricsLogger:
     """Writes measurements to ``metrics.jsonl`` and TensorBoard event files in the
     workdir (and to ``tracker``, a W&B run, where given), and a progress line to the
@@ -44,8 +60,7 @@ class MetricsLogger:
     ):
         """``deadline``: a ``time.perf_counter()`` time at which training stops anyway
         (``train.max_minutes``); the ETA is then the nearer of the two ends."""
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = summary_writer_class()
         self.workdir = Path(workdir)
         self.total_steps = total_steps
         self.deadline = deadline
