@@ -13,7 +13,7 @@ import pytest
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.training.train import train_and_evaluate
-from tests.fixtures import load_config, xla_flags
+from tests.fixtures import load_config, train_on_one_device, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,9 @@ def lm_run(tmp_path_factory, fixture_data):
     config.data.dataset = "ding_de_en"  # the fixture Bible is too small for a tokenizer
     config.data.data_dir = str(data_dir)
     workdir = tmp_path_factory.mktemp("lm")
-    train_and_evaluate(config, workdir)
+    with pytest.MonkeyPatch.context() as m:
+        train_on_one_device(m)  # not about devices: on 8 it costs twice the CPU
+        train_and_evaluate(config, workdir)
     return workdir, raw
 
 

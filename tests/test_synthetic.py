@@ -228,7 +228,7 @@ def test_recall_loss_counts_only_the_answers():
     assert float(everything["tokens"]) == 4 * 64
 
 
-def test_a_recall_run_trains_and_scores_accuracy_by_distance(tmp_path):
+def test_a_recall_run_trains_and_scores_accuracy_by_distance(tmp_path, one_device):
     """needle/l16 through train_and_evaluate and the evaluate command's function: the
     validation accuracy is over the answers, the test scores by distance."""
     from flaxformer_lite.inference.evaluation import evaluate_workdir
