@@ -105,10 +105,11 @@ def one_device(monkeypatch):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, fixture_data):
-    """(workdir, raw folder): a trained :debug translation run (tests/fixtures.py)."""
+    """(workdir, raw folder): a :debug translation run trained by the command line
+    (tests/fixtures.py)."""
     from tests import fixtures
 
-    return fixtures.trained_translation_run(tmp_path_factory, fixture_data[1]), fixture_data[0]
+    return fixtures.trained_translation_run(tmp_path_factory, fixture_data), fixture_data[0]
 
 
 # Files by their share of the default suite's time (seconds on a 2-core machine, from
@@ -125,7 +126,6 @@ FILE_SECONDS = {
     "test_routed.py": 52,
     "test_transformer.py": 50,
     "test_sparse.py": 49,
-    "test_cli.py": 43,
     "test_synthetic.py": 32,
     "test_generate.py": 32,
     "test_bad_inputs.py": 31,
@@ -136,6 +136,7 @@ FILE_SECONDS = {
     "test_export.py": 24,
     "test_precision.py": 23,
     "test_attention_maps.py": 22,
+    "test_cli.py": 20,
     "test_sharding.py": 19,
     "test_chunked.py": 17,
     "test_block_sparse_gpu.py": 17,

@@ -6,6 +6,8 @@ import fcntl
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -195,31 +197,36 @@ def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) ->
     return folder
 
 
-def trained_translation_run(tmp_path_factory, data_dir) -> Path:
-    """A 6-step :debug translation run on the fixture corpus, shared by the tests that
-    only read a trained run (translate, evaluate, attention maps): 2 encoder layers
-    (the attention grid's rows), max_len 32 (the too-long input tests), the best
-    checkpoint chosen by validation BLEU, ``model.remat=full`` and a profile of steps 2-3."""
+def trained_translation_run(tmp_path_factory, fixture_data) -> Path:
+    """A 6-step :debug translation run on the fixture corpus, trained by the command a
+    user types (``python -m flaxformer_lite.main``, on one device), shared by the tests
+    that only read a trained run (the command line's own checks, translate, evaluate,
+    attention maps, export): 2 encoder layers (the attention grid's rows), max_len 32
+    (the too-long input tests), the best checkpoint chosen by validation BLEU,
+    ``model.remat=full`` and a profile of steps 2-3. Its console output is kept beside
+    it, in ``stdout.txt``."""
+    raw, data_dir = fixture_data
 
     def build(folder: Path) -> None:
-        import pytest
-
-        from flaxformer_lite.training.train import train_and_evaluate
-
-        config = debug_config(data_dir, num_steps=6)
-        config.model.max_len = 32
-        config.model.num_encoder_layers = 2
-        # transformers' fixed LayerNorm epsilon, so that this run's exports compute its
-        # logits to round-off and translate as it does (tests/test_export.py)
-        config.model.layer_norm_epsilon = 1e-5
-        config.train.eval_bleu_sentences = 8
-        config.train.best_metric = "bleu"
-        # the accelerator knobs on the CPU: layers recomputed, steps 2-3 traced
-        config.model.remat = "full"
-        config.train.profile = "2:2"
-        with pytest.MonkeyPatch.context() as m:
-            train_on_one_device(m)
-            train_and_evaluate(config, folder / "run")
+        command = [
+            sys.executable, "-m", "flaxformer_lite.main", "--config=configs/ende_small.py:debug",
+            f"--workdir={folder / 'run'}", f"--config.data.data_dir={data_dir}",
+            "--config.model.vocab_size=100",  # the fixture corpus supports ~108 pieces
+            # dropout on, whatever the default config says (its keys are part of a run)
+            "--config.model.residual_dropout=0.1", "--config.model.embedding_dropout=0.1",
+            "--config.model.max_len=32", "--config.model.num_encoder_layers=2",
+            # transformers' fixed LayerNorm epsilon, so that this run's exports compute
+            # its logits to round-off and translate as it does (tests/test_export.py)
+            "--config.model.layer_norm_epsilon=1e-5",
+            "--config.train.num_steps=6", "--config.train.eval_bleu_sentences=8",
+            "--config.train.best_metric=bleu",
+            # the accelerator knobs on the CPU: layers recomputed, steps 2-3 traced
+            "--config.model.remat=full", "--config.train.profile=2:2",
+        ]  # fmt: skip
+        env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
+        out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (folder / "stdout.txt").write_text(out.stdout)
 
     return shared_folder(tmp_path_factory, "translation-run", build) / "run"
 

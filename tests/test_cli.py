@@ -14,36 +14,31 @@ from flaxformer_lite.inference.run import Run
 from flaxformer_lite.training.state import abstract_train_state
 from flaxformer_lite.training.train import train_and_evaluate
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
-from tests.fixtures import load_config, xla_flags
+from tests.fixtures import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # In-process training here is not about devices (its subprocesses: one device too).
 pytestmark = pytest.mark.usefixtures("one_device")
 
 
-def test_cli_debug_run(fixture_data, tmp_path):
-    raw, data_dir = fixture_data
-    env = dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), XLA_FLAGS=xla_flags(None))
-    cmd = [
-        sys.executable,
-        "-m",
-        "flaxformer_lite.main",
-        "--config=configs/ende_small.py:debug",
-        f"--workdir={tmp_path / 'run'}",
-        f"--config.data.data_dir={data_dir}",
-        "--config.model.vocab_size=100",
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
-    run = tmp_path / "run"
+def test_cli_debug_run(trained_run):
+    """``python -m flaxformer_lite.main --config=configs/ende_small.py:debug``, the shared
+    trained run (tests/fixtures.py: this command line with a few overrides, on one
+    device): validation and logs at their steps, the tokenizer, TensorBoard's events,
+    the checkpoints and the config as given."""
+    run, _ = trained_run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     validation = {r["step"]: r for r in records if r["split"] == "validation"}
     assert sorted(validation) == [3, 6]
     assert np.isfinite(validation[6]["loss"]) and validation[6]["perplexity"] > 1
+    assert "bleu" in validation[6]  # eval_bleu_sentences: the greedy decode's BLEU
     assert {r["step"] for r in records if r["split"] == "train"} == {2, 4, 6}
     assert (run / "tokenizer.model").exists() and any((run / "tensorboard").iterdir())
     saved = Run.open(run)
     assert saved.steps("last") == [3, 6] and saved.config.model.vocab_size == 100
+    assert saved.config.model.max_len == 32 and saved.config.train.profile == "2:2"
+    said = (run.parent / "stdout.txt").read_text()
+    assert "done: step 6 (6 this run)" in said and "Traceback" not in said
     # A bad field on this command line: tests/test_bad_inputs.py ('unknown field').
 
 
