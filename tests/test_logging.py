@@ -108,3 +108,29 @@ def test_the_progress_line_shows_the_efficiency():
         {"tflops_per_sec": 400.0, "mfu": 0.404, "memory_gib": 30.12, "peak_memory_gib": 33.0}
     )
     assert line == " 400 TFLOP/s 40% MFU 30.1/33.0 GiB"
+
+
+# A fresh interpreter: the logger's writer, then torch itself where it is installed.
+WITHOUT_TORCH = """
+import sys
+from flaxformer_lite.training.logging import summary_writer_class
+writer = summary_writer_class()
+print("torch" in sys.modules, writer.__name__)
+import torch
+"""
+
+
+def test_the_writer_comes_without_pytorch():
+    """tensorboardX's writer imports torch (4-5 s) to accept torch tensors; the logger
+    takes it with torch hidden, and a later ``import torch`` still works."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: nothing to hide")
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "SummaryWriter"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,17 +30,22 @@ def _format_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
 def summary_writer_class():
     """tensorboardX's SummaryWriter, imported without PyTorch: its writer module imports
     torch, where installed, only to accept torch tensors (this logger passes floats),
     and that import costs a training process 4-5 s of start-up. Where torch is already
     loaded (or tensorboardX is), the plain import."""
-    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
-        sys.modules["torch"] = None  # ``import torch`` raises ImportError meanwhile
-        try:
-            import tensorboardX  # noqa: F401
-        finally:
-            del sys.modules["torch"]
+    with _IMPORT_LOCK:  # a sweep's threads: one hides torch and imports at a time
+        if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+            sys.modules["torch"] = None  # ``import torch`` raises ImportError meanwhile
+            try:
+                import tensorboardX  # noqa: F401
+            finally:
+                if sys.modules.get("torch", 0) is None:
+                    del sys.modules["torch"]
     from tensorboardX import SummaryWriter
 
     return SummaryWriter
