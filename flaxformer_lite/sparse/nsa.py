@@ -17,7 +17,10 @@ Three branches over the same queries, mixed by learned gates per head and query:
   at full resolution (:mod:`~flaxformer_lite.sparse.routed_chunks`, ``n * K * B``), as
   MoBA does with its mean-key gate (the same choices: per query, so that causality
   holds and cached decoding can choose the same; per head;
-  :mod:`~flaxformer_lite.sparse.routed`);
+  :mod:`~flaxformer_lite.sparse.routed`). The ranking is taken on the compressed
+  scores, which order a query's probabilities alike (one softmax per query and head)
+  without computing them; a candidate its compressed branch does not see (a block
+  partly of another packed sequence: probability 0) ranks after those it sees;
 - **window**: the last ``W`` keys (``local:window=W``, both sides without causality)
   on the blocked kernel, ``n * W``;
 - **gates**: ``g = sigmoid(q_h . w_h + b_h)``, three per head, from the head's own
@@ -40,8 +43,10 @@ from jax import Array, lax
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.band_gpu import band_attention
 from flaxformer_lite.sparse.blocked import sparse_attention
+from flaxformer_lite.sparse.compressed_gpu import compressed_attention
 from flaxformer_lite.sparse.online_softmax import NEG, normalise, pad_to, partial_softmax
 from flaxformer_lite.sparse.plans import num_blocks
+from flaxformer_lite.sparse.route_gpu import fused_routing, tile_size
 from flaxformer_lite.sparse.routed import (
     XLA_KERNELS,
     Routing,
@@ -105,10 +110,9 @@ def _compressed(q, kc, vc, present, segments, block, causal, others):
             if others <= 0:
                 empty = jnp.zeros((*qa.shape[:3], 0), jnp.int32)
                 return normalise(part.o, part.l), empty, empty.astype(bool)
-            probs = jnp.exp(jnp.where(visible, scores, NEG) - part.m[..., None])
-            probs = probs / jnp.where(part.l > 0, part.l, 1.0)[..., None]
             allowed = token_candidates(present, segments, block, causal, a)[..., :w]
-            return (normalise(part.o, part.l), *top_blocks(probs, allowed, others))
+            ranked = jnp.where(visible, scores, NEG)  # a probability's order, module doc
+            return (normalise(part.o, part.l), *top_blocks(ranked, allowed, others))
 
         return one
 
@@ -135,10 +139,12 @@ def nsa_attention(
     """NSA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc).
     ``parts``: also return ``{branch: [b, n, h, dv]}``, the gates ``[b, n, h, 3]`` and
     the selection's :class:`~flaxformer_lite.sparse.routed.Routing` (for the tests).
-    ``kernel=triton``: the selected branch on the fused routed kernel and the window on
-    the band kernel (:mod:`~flaxformer_lite.sparse.routed_gather_gpu`,
-    :mod:`~flaxformer_lite.sparse.band_gpu`; ``interpret`` as there); the compressed
-    branch and the gates stay XLA's either way."""
+    ``kernel=triton``: every branch fused (``interpret`` as there): the compressed one
+    and its selection (:mod:`~flaxformer_lite.sparse.compressed_gpu`,
+    :mod:`~flaxformer_lite.sparse.route_gpu`; XLA's where ``block`` is no multiple of
+    16), the selected one on the routed kernel
+    (:mod:`~flaxformer_lite.sparse.routed_gather_gpu`) and the window on the band
+    kernel (:mod:`~flaxformer_lite.sparse.band_gpu`); the gates are XLA's either way."""
     b, n, h, d = query.shape
     npad = num_blocks(n, block) * block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -150,9 +156,19 @@ def nsa_attention(
     kc = jnp.einsum("bhjd,hde->bhje", pooled(k, present, block), params["compress_k"])
     vc = jnp.einsum("bhjv,hvw->bhjw", pooled(v, present, block), params["compress_v"])
     others = min(top_k - 1, npad // block - 1)
-    out_c, routing = _compressed(
-        q, kc.astype(compute), vc.astype(compute), present, seg, block, causal, others
-    )
+    if kernel == "triton" and tile_size(block) is not None:
+        x = _layout(query, npad)  # its own dtype (the tensor cores'), scaled in the kernel
+        out_c = compressed_attention(x, kc, vc, present, seg, block, causal, scale=scale,
+                                     interpret=interpret).astype(compute)  # fmt: skip
+        empty = jnp.zeros((b, h, npad, 0), jnp.int32)
+        routing = Routing(empty, empty.astype(bool))
+        if others > 0:
+            routing = Routing(*fused_routing(x, kc, present, seg, block, others, causal,
+                                             whole_first=True, interpret=interpret))  # fmt: skip
+    else:
+        out_c, routing = _compressed(
+            q, kc.astype(compute), vc.astype(compute), present, seg, block, causal, others
+        )
     if kernel == "triton":
         out_s = routed_gather_attention(
             query, key, value, routing.table, routing.valid, block=block, causal=causal,
@@ -239,10 +255,9 @@ def nsa_decode(
     own = (k_pos[None, :] // block == (q_pos // block)[:, None]) & causal
     selected = jnp.broadcast_to(own, (b, h, s, L))
     if others > 0:
-        probs = jnp.exp(jnp.where(visible, scores, NEG) - part.m[..., None])
-        probs = probs / jnp.where(part.l > 0, part.l, 1.0)[..., None]
+        ranked = jnp.where(visible, scores, NEG)
         allowed = (j[None, :] < (q_pos // block)[:, None])[None, None]
-        selected = decode_mask(Routing(*top_blocks(probs, allowed, others)), q_pos, L, block)
+        selected = decode_mask(Routing(*top_blocks(ranked, allowed, others)), q_pos, L, block)
     near = causal & (q_pos[:, None] - k_pos[None, :] <= window)
     kv_scores = jnp.einsum("bhsd,bhld->bhsl", q, k)
     branches = {

@@ -38,6 +38,7 @@ Array = jax.Array
 NAME = "moba_routing"
 FAR = 1 << 28  # an index past every block: the initial candidates'
 TAKEN = 1 << 29  # a candidate already written out
+DEMOTED = -1e30  # the score of a candidate ranked after every scored one (finite: chosen)
 
 
 def tile_size(block: int) -> int | None:
@@ -50,7 +51,8 @@ def tile_size(block: int) -> int | None:
 
 
 def _kernel(has_ref, lo_ref, hi_ref, q_ref, means_ref, qok_ref, qseg_ref, table_ref,
-            valid_ref, *, block, tq, chunk, slots, others, causal, chunks):  # fmt: skip
+            valid_ref, *, block, tq, chunk, slots, others, causal, chunks,
+            whole_first):  # fmt: skip
     t = pl.program_id(0)
     a = (t * tq) // block  # the tiles' query block
     q = q_ref[...]
@@ -69,6 +71,8 @@ def _kernel(has_ref, lo_ref, hi_ref, q_ref, means_ref, qok_ref, qseg_ref, table_
         ok = ok[None, :] & qok[:, None]
         inside = (lo_ref[part][None, :] <= qseg[:, None]) & (qseg[:, None] <= hi_ref[part][None, :])
         ok = ok & inside
+        if whole_first:  # a block partly of another segment after the others (NSA)
+            s = jnp.where(lo_ref[part][None, :] == hi_ref[part][None, :], s, DEMOTED)
         s = jnp.where(ok, s, -jnp.inf)
         for _ in range(others):  # the chunk's best, one at a time, into the set
             m = jnp.max(s, axis=1)
@@ -103,13 +107,36 @@ def _kernel(has_ref, lo_ref, hi_ref, q_ref, means_ref, qok_ref, qseg_ref, table_
     valid_ref[...] = valid
 
 
+def block_spans(present: Array, segments: Array | None, block: int, width: int):
+    """Per block of ``present [b, N]`` (``N = nb * block``), as int32 ``[b, width]``:
+    holds a present key (0 past ``nb``); the least and the largest segment id of its
+    present keys (all 0 without segments; an empty span, lo > hi, where it holds
+    none)."""
+    b, N = present.shape
+    nb = N // block
+    here = present.reshape(b, nb, block)
+    seg = jnp.zeros((b, N), jnp.int32) if segments is None else segments.astype(jnp.int32)
+    blocks = seg.reshape(b, nb, block)
+    lo = jnp.where(here, blocks, jnp.iinfo(jnp.int32).max).min(-1)
+    hi = jnp.where(here, blocks, -1).max(-1)
+
+    def pad(x, fill):
+        return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, width - nb)), constant_values=fill)
+
+    return pad(here.any(-1), 0), pad(lo, 1), pad(hi, 0)
+
+
 def fused_routing(q: Array, means: Array, present: Array, segments: Array | None,
                   block: int, others: int, causal: bool, *, chunk: int = 64,
+                  whole_first: bool = False,
                   interpret: bool | None = None) -> tuple[Array, Array]:  # fmt: skip
     """``(table, valid)`` ``[b, h, N, others]`` of MoBA's per-query gate: ``q [b, h, N,
     d]`` (``N`` a multiple of ``block``) against the block summaries ``means [b, h,
     N / block, d]``; ``present [b, N]`` (a real token), ``segments [b, N]`` or None.
-    Same table as ``top_blocks`` over ``routed.token_candidates`` (module doc)."""
+    Same table as ``top_blocks`` over ``routed.token_candidates`` (module doc).
+    ``whole_first``: a candidate block partly of another segment ranks after all
+    others, by index (NSA's selection over its compressed keys, which such a block
+    is not among: :mod:`~flaxformer_lite.sparse.nsa`)."""
     b, h, N, d = q.shape
     nb = means.shape[2]
     tq = tile_size(block)
@@ -124,20 +151,13 @@ def fused_routing(q: Array, means: Array, present: Array, segments: Array | None
     means = lax.stop_gradient(means).astype(q.dtype)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, dp - d))).reshape(b * h, N, dp)
     means = jnp.pad(means, ((0, 0), (0, 0), (0, nbp - nb), (0, dp - d))).reshape(b * h, nbp, dp)
-    here = present.reshape(b, nb, block)
     seg = jnp.zeros((b, N), jnp.int32) if segments is None else segments.astype(jnp.int32)
-    blocks = seg.reshape(b, nb, block)
-    lo = jnp.where(here, blocks, jnp.iinfo(jnp.int32).max).min(-1)
-    hi = jnp.where(here, blocks, -1).max(-1)
-
-    def per_block(x, fill):
-        return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, nbp - nb)), constant_values=fill)
-
-    has, lo, hi = per_block(here.any(-1), 0), per_block(lo, 1), per_block(hi, 0)
+    has, lo, hi = block_spans(present, segments, block, nbp)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_kernel, block=block, tq=tq, chunk=chunk, slots=slots,
-                               others=others, causal=causal, chunks=nbp // chunk)  # fmt: skip
+                               others=others, causal=causal, chunks=nbp // chunk,
+                               whole_first=whole_first)  # fmt: skip
     row = pl.BlockSpec((None, nbp), lambda t, r: (r // h, 0))
     tile = pl.BlockSpec((None, tq), lambda t, r: (r // h, t))
     out = pl.BlockSpec((None, tq, slots), lambda t, r: (r, t, 0))

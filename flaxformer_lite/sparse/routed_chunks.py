@@ -10,8 +10,10 @@ list of *entries* (query, slot; the own block is the last slot) sorted by the ke
 they read (:func:`~flaxformer_lite.sparse.routed_gather_gpu.entries`), cut into chunks
 of ``chunk`` entries that each belong to one block (a block's last chunk is partly
 empty; ``n * k / chunk + n / B`` chunks at most), and each chunk is one ``[chunk, d] x
-[d, B]`` product against its block, ``group`` chunks a step. Each entry gets its own
-partial softmax; a query's are merged by their maxima into the same ``(m, l, o)`` as
+[d, B]`` product against its block, ``group`` chunks a step, the rows (batch x head)
+in two independent chains that XLA:CPU runs on both cores. Each entry gets its own
+partial softmax, stacked step by step in chunk order and read back by each entry's
+lane; a query's are merged by their maxima into the same ``(m, l, o)`` as
 :func:`~flaxformer_lite.sparse.routed_kernel.routed_partial` (same arguments), and the
 backward pass recomputes each chunk's probabilities from the merged maxima:
 
@@ -24,6 +26,7 @@ entries' partials (``n * k`` rows, linear in ``n``), never ``n x n``.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +36,23 @@ from flaxformer_lite.sparse.online_softmax import FLOOR, NEG
 from flaxformer_lite.sparse.routed_gather_gpu import entries
 
 
-def _chunks(blocks: Array, nb: int, chunk: int, group: int):
-    """The chunk table of ``blocks [bh, N, S]`` (key block per query slot, -1 empty):
-    per chunk its block ``[bh, T]``, and per lane its entry id, query and liveness
-    ``[bh, T, chunk]``; ``T`` (a multiple of ``group``) bounds every row's chunks."""
+class _Tables(NamedTuple):
+    """The chunk table: per chunk its key block ``j [bh, T]``; per lane its query ``qi``
+    and liveness ``live [bh, T, C]``; the packed rows' ``segments`` (or None); per
+    query slot ``valid [bh, N, S]``; per entry its ``lane [bh, N * S]`` in chunk
+    order (``chunk * t + c``)."""
+
+    j: Array
+    qi: Array
+    live: Array
+    segments: Array | None
+    valid: Array
+    lane: Array
+
+
+def _chunks(blocks: Array, nb: int, chunk: int, group: int, segments: Array | None) -> _Tables:
+    """The :class:`_Tables` of ``blocks [bh, N, S]`` (key block per query slot, -1
+    empty); ``T`` (a multiple of ``group``) bounds every row's chunks."""
     bh, N, S = blocks.shape
     E = N * S
     order, offsets = entries(blocks, nb)
@@ -51,21 +67,27 @@ def _chunks(blocks: Array, nb: int, chunk: int, group: int):
     live = within < jnp.take_along_axis(counts, j, axis=1)[..., None]
     pos = jnp.take_along_axis(offsets, j, axis=1)[..., None] + within
     e = jnp.take_along_axis(order, jnp.minimum(pos, E - 1).reshape(bh, -1), axis=1)
-    e = e.reshape(bh, T, chunk)
-    return j, jnp.where(live, e, E), jnp.where(live, e // S, 0), live
+    qi = jnp.where(live, e.reshape(bh, T, chunk) // S, 0)
+    # Each entry's lane: its block's first chunk, then its rank among the block's
+    # entries. An empty slot (sorted last, in no chunk) reads lane 0, masked by valid.
+    p = jnp.arange(E, dtype=jnp.int32)[None]
+    flat = jnp.where(blocks >= 0, blocks, nb).reshape(bh, E)
+    jp = jnp.minimum(jnp.take_along_axis(flat, order, axis=1), nb - 1)  # block at p
+    rank = p - jnp.take_along_axis(offsets, jp, axis=1)
+    lane = jnp.where(p < offsets[:, nb:], jnp.take_along_axis(first, jp, axis=1) * chunk + rank, 0)
+    lane = jnp.zeros((bh, E), jnp.int32).at[jnp.arange(bh)[:, None], order].set(lane)
+    return _Tables(j, qi, live, segments, blocks >= 0, lane)
 
 
 class _Step:
     """Step ``i``'s ``group`` chunks: their queries, key block, scores and the kept pairs."""
 
-    def __init__(self, q, kb, vb, tables, statics, i):
-        j, e, qi, live, seg, _ = tables
-        B, n, causal, g = statics
+    def __init__(self, q, kb, vb, tables: _Tables, statics, i):
+        B, n, causal, g = statics[:4]
         rows = jnp.arange(q.shape[0])[:, None, None]
-        self.j = lax.dynamic_slice_in_dim(j, i * g, g, 1)  # [bh, G]
-        self.qi = lax.dynamic_slice_in_dim(qi, i * g, g, 1)  # [bh, G, C]
-        self.e = lax.dynamic_slice_in_dim(e, i * g, g, 1)
-        live = lax.dynamic_slice_in_dim(live, i * g, g, 1)
+        self.j = lax.dynamic_slice_in_dim(tables.j, i * g, g, 1)  # [bh, G]
+        self.qi = lax.dynamic_slice_in_dim(tables.qi, i * g, g, 1)  # [bh, G, C]
+        live = lax.dynamic_slice_in_dim(tables.live, i * g, g, 1)
         self.q = q[rows, self.qi]  # [bh, G, C, d]
         self.k = kb[rows[..., 0], self.j]  # [bh, G, B, d]
         self.v = vb[rows[..., 0], self.j]
@@ -73,6 +95,7 @@ class _Step:
         ok = live[..., None] & (kpos[:, :, None, :] < n)
         if causal:
             ok = ok & (kpos[:, :, None, :] <= self.qi[..., None])
+        seg = tables.segments
         if seg is not None:
             sq = seg[rows, self.qi][..., None]
             sk = seg[rows, kpos][:, :, None, :]
@@ -81,36 +104,60 @@ class _Step:
         self.scores = jnp.einsum("rgcd,rgkd->rgck", self.q, self.k)
 
 
-def _forward(q, kb, vb, tables, statics, slots):
-    bh, N, _ = q.shape
-    g, E = statics[3], N * slots
-    dv = vb.shape[-1]
-    rows = jnp.arange(bh)[:, None, None]
+def _rows(split: int, *arrays):
+    """Each array (and :class:`_Tables`) cut into ``split`` groups of rows (batch x head):
+    independent chains inside one loop body, which XLA:CPU runs on different cores at
+    once (one chain of small matmuls keeps one core busy, as in
+    :mod:`~flaxformer_lite.sparse.block_kernel`)."""
+    w = arrays[0].shape[0] // split
+    return [
+        tuple(jax.tree.map(lambda x, c=c: x[c * w : (c + 1) * w], a) for a in arrays)
+        for c in range(split)
+    ]
 
-    def body(i, carry):
-        pm, pl, po = carry
+
+def _forward(q, kb, vb, tables, statics, slots):
+    g, split = statics[3], statics[4]
+    chains = _rows(split, q, kb, vb, tables)
+
+    def one(i, q, kb, vb, tables):
         st = _Step(q, kb, vb, tables, statics, i)
         s = jnp.where(st.ok, st.scores, NEG)
         m = jnp.maximum(jnp.max(s, axis=-1), FLOOR)
         p = jnp.where(st.ok, jnp.exp(s - m[..., None]), 0.0)
-        pm = pm.at[rows, st.e].set(m)  # lanes past a block's entries write slot E
-        pl = pl.at[rows, st.e].set(p.sum(-1))
-        po = po.at[rows, st.e].set(jnp.einsum("rgck,rgkv->rgcv", p, st.v))
-        return pm, pl, po
+        return m, p.sum(-1), jnp.einsum("rgck,rgkv->rgcv", p, st.v)
 
-    init = (
-        jnp.full((bh, E + 1), FLOOR, q.dtype),
-        jnp.zeros((bh, E + 1), q.dtype),
-        jnp.zeros((bh, E + 1, dv), q.dtype),
+    # Each step's partials come out stacked, in chunk order ([steps, bh, g, C]), and
+    # each entry reads its own back by its lane (one gather): no buffer of the entries
+    # to fill first and scatter into every step.
+    _, stacked = lax.scan(
+        lambda _, i: (None, tuple(one(i, *chain) for chain in chains)),
+        None,
+        jnp.arange(tables.j.shape[1] // g),
     )
-    pm, pl, po = lax.fori_loop(0, tables[0].shape[1] // g, body, init)
-    valid = tables[5]
-    pm = jnp.where(valid, pm[:, :E].reshape(bh, N, slots), FLOOR)
-    m = jnp.max(pm, axis=-1)
-    w = jnp.where(valid, jnp.exp(pm - m[..., None]), 0.0)
-    l = jnp.sum(w * pl[:, :E].reshape(bh, N, slots), axis=-1)
-    o = jnp.einsum("rns,rnsv->rnv", w, po[:, :E].reshape(bh, N, slots, dv))
-    return m, l, o
+    out = []
+    for (q, _, _, tables), (cm, cl, co) in zip(chains, stacked, strict=True):
+        bh, N = q.shape[:2]
+        lanes = _at_lanes(tables.lane, g * tables.qi.shape[2])
+        pm = jnp.where(tables.valid, lanes(cm).reshape(bh, N, slots), FLOOR)
+        m = jnp.max(pm, axis=-1)
+        w = jnp.where(tables.valid, jnp.exp(pm - m[..., None]), 0.0)
+        l = jnp.sum(w * lanes(cl).reshape(bh, N, slots), axis=-1)
+        o = jnp.einsum("rns,rnsv->rnv", w, lanes(co).reshape(bh, N, slots, -1))
+        out.append((m, l, o))
+    return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*out, strict=True))
+
+
+def _at_lanes(lane: Array, width: int):
+    """A reader of stacked per-step chunk values ``[steps, bh, g, C, ...]`` at each
+    entry's lane (``lane [bh, E]``, ``width = g * C`` lanes a step): ``[bh, E, ...]``."""
+    rows = jnp.arange(lane.shape[0])[:, None]
+    step, within = lane // width, lane % width
+
+    def read(x):
+        return x.reshape(x.shape[0], x.shape[1], width, *x.shape[4:])[step, rows, within]
+
+    return read
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -126,10 +173,12 @@ def _fwd(q, kb, vb, tables, statics, slots):
 def _bwd(statics, slots, residuals, cotangents):
     q, kb, vb, tables, m = residuals
     _, dl, do = cotangents  # o / l does not depend on m
-    rows = jnp.arange(q.shape[0])[:, None, None]
+    chains = _rows(statics[4], q, kb, vb, tables, m, dl, do)
 
-    def body(i, carry):
+    def one(i, chain, carry):
+        q, kb, vb, tables, m, dl, do = chain
         dq, dkb, dvb = carry
+        rows = jnp.arange(q.shape[0])[:, None, None]
         st = _Step(q, kb, vb, tables, statics, i)
         p = jnp.where(st.ok, jnp.exp(st.scores - m[rows, st.qi][..., None]), 0.0)
         do_c = do[rows, st.qi]  # [bh, G, C, dv]
@@ -140,8 +189,14 @@ def _bwd(statics, slots, residuals, cotangents):
         dvb = dvb.at[rows[..., 0], st.j].add(jnp.einsum("rgck,rgcv->rgkv", p, do_c))
         return dq, dkb, dvb
 
-    init = (jnp.zeros_like(q), jnp.zeros_like(kb), jnp.zeros_like(vb))
-    dq, dkb, dvb = lax.fori_loop(0, tables[0].shape[1] // statics[3], body, init)
+    init = tuple((jnp.zeros_like(c[0]), jnp.zeros_like(c[1]), jnp.zeros_like(c[2])) for c in chains)
+    out = lax.fori_loop(
+        0,
+        tables.j.shape[1] // statics[3],
+        lambda i, carries: tuple(one(i, c, x) for c, x in zip(chains, carries, strict=True)),
+        init,
+    )
+    dq, dkb, dvb = (jnp.concatenate(parts, axis=0) for parts in zip(*out, strict=True))
     return dq, dkb, dvb, None
 
 
@@ -160,21 +215,23 @@ def routed_chunks_partial(
     segments: Array | None = None,
     chunk: int = 64,
     group: int = 8,
+    split: int = 2,
 ) -> tuple[Array, Array, Array]:
     """``(m, l [b, h, N], o [b, h, N, dv])``: the same partial softmax as
     :func:`~flaxformer_lite.sparse.routed_kernel.routed_partial` (scaled queries, own
     block plus ``table [b, h, N, R]`` where ``valid``), key block by key block over
-    chunks of ``chunk`` entries, ``group`` chunks a step."""
+    chunks of ``chunk`` entries, ``group`` chunks a step, the rows (batch x head) in
+    ``split`` independent chains (the most up to ``split`` that divide them evenly)."""
     b, h, N, d = q.shape
     nb, bh = N // block, b * h
     own = jnp.broadcast_to((jnp.arange(N, dtype=jnp.int32) // block)[:, None], (bh, N, 1))
     chosen = jnp.where(valid, table, -1).astype(jnp.int32).reshape(bh, N, -1)
     blocks = lax.stop_gradient(jnp.concatenate([chosen, own], axis=-1))
-    j, e, qi, live = _chunks(blocks, nb, chunk, group)
     seg = None if segments is None else jnp.repeat(segments, h, axis=0)
-    tables = (j, e, qi, live, seg, blocks >= 0)
+    tables = _chunks(blocks, nb, chunk, group, seg)
     kb = k.reshape(bh, nb, block, d)
     vb = v.reshape(bh, nb, block, -1)
-    m, l, o = _partial(q.reshape(bh, N, d), kb, vb, tables, (block, n, causal, group),
-                       blocks.shape[-1])  # fmt: skip
+    split = max(x for x in range(1, min(split, bh) + 1) if bh % x == 0)
+    statics = (block, n, causal, group, split)
+    m, l, o = _partial(q.reshape(bh, N, d), kb, vb, tables, statics, blocks.shape[-1])
     return m.reshape(b, h, N), l.reshape(b, h, N), o.reshape(b, h, N, -1)

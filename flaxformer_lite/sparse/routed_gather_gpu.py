@@ -44,7 +44,14 @@ def entries(blocks: Array, nb: int) -> tuple[Array, Array]:
     1]``: block j's entries are ``[offsets[j], offsets[j + 1])``; empty slots last)."""
     bh = blocks.shape[0]
     flat = jnp.where(blocks >= 0, blocks, nb).reshape(bh, -1)
-    order = jnp.argsort(flat, axis=-1, stable=True).astype(jnp.int32)
+    E = flat.shape[1]
+    if (nb + 1) * E < 2**31:  # one int32 key, block * E + id: unique, so sorting it
+        # is the stable argsort at a fraction of its cost (XLA:CPU sorts key-value
+        # pairs through a comparator: 16k tokens, 8 heads, 4 slots: 0.16 s against 0.03)
+        keyed = flat * E + jnp.arange(E, dtype=jnp.int32)
+        order = (jnp.sort(keyed, axis=-1) % E).astype(jnp.int32)
+    else:
+        order = jnp.argsort(flat, axis=-1, stable=True).astype(jnp.int32)
     counts = jax.vmap(lambda f: jnp.bincount(f, length=nb + 1))(flat)
     offsets = jnp.concatenate(
         [jnp.zeros((bh, 1), jnp.int32), jnp.cumsum(counts[:, :nb], axis=-1, dtype=jnp.int32)],
