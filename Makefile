@@ -70,8 +70,7 @@ test-slow: test-all  # the former name
 # The tests marked gpu (cuDNN's fused kernel against the project's kernels), on a machine
 # with an NVIDIA GPU and a CUDA build of jax in the venv (docs/accelerator.md).
 test-gpu: setup
-	JAX_PLATFORMS=cuda FLAXFORMER_TEST_OPTIMIZE=1 $(BIN)/python -m pytest -q -m gpu -rs \
-	  tests/test_kernels.py tests/test_precision.py
+	JAX_PLATFORMS=cuda FLAXFORMER_TEST_OPTIMIZE=1 $(BIN)/python -m pytest -q -m gpu -rs tests/
 
 # Wheels, corpus and peer to carry to an accelerator machine without a package index.
 gpu-bundle: prepare

@@ -40,7 +40,8 @@ the rows it did not reach are listed as such):
   routing (8 blocks of 64 per query, routing included): MoBA's per-query choice on the
   gather kernel (sparse/routed_gather_gpu.py), on the tile kernel (sparse/routed_gpu.py)
   and on XLA's (the CPU path), its block gate on the tile kernel, the routing alone,
-  and NSA (window 256) against cuDNN's causal (dense) kernel.
+  and NSA (window 256; its compressed branch fused, sparse/compressed_gpu.py, and in
+  XLA) against cuDNN's causal (dense) kernel.
   ``--kernels`` picks rows by name.
 * ``decode``: cached greedy and beam-4 new tokens/s at batch 1 and 64 (source 32, 64
   new tokens, EOS never emitted so every row does the full work), ende_small and
@@ -473,6 +474,11 @@ def _dynamic_kernels():
         f"nsa k={K} w={WINDOW} (causal)": (
             lambda q, k, v: nsa_attention(q, k, v, params, K, WINDOW, block=B, causal=True,
                                           kernel="triton"),
+            nsa, "cudnn causal",
+        ),
+        f"nsa k={K} w={WINDOW} (causal; xla compressed)": (
+            lambda q, k, v: nsa_attention(q, k, v, params, K, WINDOW, block=B, causal=True,
+                                          kernel="triton", route="xla"),
             nsa, "cudnn causal",
         ),
     }  # fmt: skip

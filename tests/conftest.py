@@ -137,6 +137,7 @@ FILE_SECONDS = {
     "test_precision.py": 23,
     "test_attention_maps.py": 22,
     "test_cli.py": 20,
+    "test_compressed_gpu.py": 19,
     "test_sharding.py": 19,
     "test_chunked.py": 17,
     "test_block_sparse_gpu.py": 17,

@@ -129,7 +129,10 @@ def test_nsa_on_the_fused_branch_equals_nsa_on_xla():
         assert relative_error(x, y) < TOL
 
 
-def test_bad_shapes_are_named():
+def test_bad_arguments_are_named():
+    x = jnp.zeros((1, 64, 1, 16))
+    with pytest.raises(ValueError, match="route='fast'"):
+        nsa.nsa_attention(x, x, x, nsa.init_params(1, 16, 16), 2, 8, block=16, route="fast")
     q = jnp.zeros((1, 1, 64, 16))
     with pytest.raises(ValueError, match="nsa_compressed: queries"):
         compressed_gpu.compressed_attention(q, q[:, :, :3], q[:, :, :3], q[0, 0, :, 0] > 0,

@@ -33,7 +33,7 @@ if [ "$what" = tests ] || [ "$what" = dry ]; then
   # are compile-bound, so this cuts their time on a short lease.
   par=(); [ "$what" = tests ] && "$PY" -c "import xdist" 2>/dev/null && par=(-n 4)
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=$platform "$PY" -m pytest -q \
-    -p no:cacheprovider -m gpu -rs "${par[@]}" tests/test_kernels.py tests/test_precision.py tests/test_band_gpu.py tests/test_block_sparse_gpu.py tests/test_routed_gpu.py tests/test_route_gpu.py "$@" \
+    -p no:cacheprovider -m gpu -rs "${par[@]}" tests/test_kernels.py tests/test_precision.py tests/test_band_gpu.py tests/test_block_sparse_gpu.py tests/test_routed_gpu.py tests/test_route_gpu.py tests/test_compressed_gpu.py "$@" \
     2>&1 | tee "$out/gpu_tests.log" || status=1
 fi
 tiny=(); [ "$what" = dry ] && tiny=(--tiny)

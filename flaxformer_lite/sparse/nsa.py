@@ -135,6 +135,7 @@ def nsa_attention(
     parts: bool = False,
     kernel: str = "xla",
     interpret: bool | None = None,
+    route: str | None = None,
 ):
     """NSA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc).
     ``parts``: also return ``{branch: [b, n, h, dv]}``, the gates ``[b, n, h, 3]`` and
@@ -144,7 +145,9 @@ def nsa_attention(
     :mod:`~flaxformer_lite.sparse.route_gpu`; XLA's where ``block`` is no multiple of
     16), the selected one on the routed kernel
     (:mod:`~flaxformer_lite.sparse.routed_gather_gpu`) and the window on the band
-    kernel (:mod:`~flaxformer_lite.sparse.band_gpu`); the gates are XLA's either way."""
+    kernel (:mod:`~flaxformer_lite.sparse.band_gpu`); the gates are XLA's either way.
+    ``route``: the compressed branch and selection ``fused`` (the default under
+    ``kernel=triton``) or ``xla`` (a query block at a time; the benchmark's baseline)."""
     b, n, h, d = query.shape
     npad = num_blocks(n, block) * block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -156,7 +159,11 @@ def nsa_attention(
     kc = jnp.einsum("bhjd,hde->bhje", pooled(k, present, block), params["compress_k"])
     vc = jnp.einsum("bhjv,hvw->bhjw", pooled(v, present, block), params["compress_v"])
     others = min(top_k - 1, npad // block - 1)
-    if kernel == "triton" and tile_size(block) is not None:
+    if route not in (None, "xla", "fused"):
+        raise ValueError(f"nsa: route={route!r}: 'xla' or 'fused' (kernel=triton)")
+    if route is None:
+        route = "fused" if kernel == "triton" and tile_size(block) is not None else "xla"
+    if route == "fused":
         x = _layout(query, npad)  # its own dtype (the tensor cores'), scaled in the kernel
         out_c = compressed_attention(x, kc, vc, present, seg, block, causal, scale=scale,
                                      interpret=interpret).astype(compute)  # fmt: skip
