@@ -11,7 +11,8 @@ Three branches over the same queries, mixed by learned gates per head and query:
   paper's MLP over a block, reduced to mean pooling plus a projection); a query sees
   the compressed blocks that end at or before it (causal), of its own segment; cost
   ``n * n / B``, a query block at a time (causal: the queries in four parts, each
-  scoring only the blocks before its end, 5/8 of that);
+  scoring only the blocks before its end, 5/8 of that), or fused on a GPU
+  (:mod:`~flaxformer_lite.sparse.compressed_gpu`: no scores in memory);
 - **selected**: each query's attention probabilities over the compressed blocks rank
   the key blocks; it reads its own block and the ``K - 1`` most probable earlier ones
   at full resolution (:mod:`~flaxformer_lite.sparse.routed_chunks`, ``n * K * B``), as
