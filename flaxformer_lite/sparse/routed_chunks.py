@@ -80,18 +80,20 @@ def _chunks(blocks: Array, nb: int, chunk: int, group: int, segments: Array | No
 
 
 class _Step:
-    """Step ``i``'s ``group`` chunks: their queries, key block, scores and the kept pairs."""
+    """Step ``i``'s ``group`` chunks of rows ``r0 .. r0 + w`` (batch x head): their
+    queries, key block, scores and the kept pairs."""
 
-    def __init__(self, q, kb, vb, tables: _Tables, statics, i):
+    def __init__(self, q, kb, vb, tables: _Tables, statics, i, r0: int, w: int):
         B, n, causal, g = statics[:4]
-        rows = jnp.arange(q.shape[0])[:, None, None]
-        self.j = lax.dynamic_slice_in_dim(tables.j, i * g, g, 1)  # [bh, G]
-        self.qi = lax.dynamic_slice_in_dim(tables.qi, i * g, g, 1)  # [bh, G, C]
-        live = lax.dynamic_slice_in_dim(tables.live, i * g, g, 1)
-        self.q = q[rows, self.qi]  # [bh, G, C, d]
-        self.k = kb[rows[..., 0], self.j]  # [bh, G, B, d]
+        C = tables.qi.shape[2]
+        self.rows = rows = (r0 + jnp.arange(w))[:, None, None]
+        self.j = lax.dynamic_slice(tables.j, (r0, i * g), (w, g))  # [w, G]
+        self.qi = lax.dynamic_slice(tables.qi, (r0, i * g, 0), (w, g, C))  # [w, G, C]
+        live = lax.dynamic_slice(tables.live, (r0, i * g, 0), (w, g, C))
+        self.q = q[rows, self.qi]  # [w, G, C, d]
+        self.k = kb[rows[..., 0], self.j]  # [w, G, B, d]
         self.v = vb[rows[..., 0], self.j]
-        kpos = self.j[..., None] * B + jnp.arange(B)  # [bh, G, B]
+        kpos = self.j[..., None] * B + jnp.arange(B)  # [w, G, B]
         ok = live[..., None] & (kpos[:, :, None, :] < n)
         if causal:
             ok = ok & (kpos[:, :, None, :] <= self.qi[..., None])
@@ -104,30 +106,29 @@ class _Step:
         self.scores = jnp.einsum("rgcd,rgkd->rgck", self.q, self.k)
 
 
-def _rows(split: int, *arrays):
-    """Each array (and :class:`_Tables`) cut into ``split`` groups of rows (batch x head):
-    independent chains inside one loop body, which XLA:CPU runs on different cores at
-    once (one chain of small matmuls keeps one core busy, as in
-    :mod:`~flaxformer_lite.sparse.block_kernel`)."""
-    w = arrays[0].shape[0] // split
-    return [
-        tuple(jax.tree.map(lambda x, c=c: x[c * w : (c + 1) * w], a) for a in arrays)
-        for c in range(split)
-    ]
+def _chains(bh: int, split: int) -> list[tuple[int, int]]:
+    """The rows (batch x head) in ``split`` groups ``(first row, rows)``: independent
+    chains inside one loop body, which XLA:CPU runs on different cores at once (one
+    chain of small matmuls keeps one core busy, as in
+    :mod:`~flaxformer_lite.sparse.block_kernel`). Each reads its rows of the inputs
+    where it gathers them, so nothing is sliced."""
+    w = bh // split
+    return [(c * w, w) for c in range(split)]
 
 
 def _forward(q, kb, vb, tables, statics, slots):
     g, split = statics[3], statics[4]
-    chains = _rows(split, q, kb, vb, tables)
+    N = q.shape[1]
+    chains = _chains(q.shape[0], split)
 
-    def one(i, q, kb, vb, tables):
-        st = _Step(q, kb, vb, tables, statics, i)
+    def one(i, r0, w):
+        st = _Step(q, kb, vb, tables, statics, i, r0, w)
         s = jnp.where(st.ok, st.scores, NEG)
         m = jnp.maximum(jnp.max(s, axis=-1), FLOOR)
         p = jnp.where(st.ok, jnp.exp(s - m[..., None]), 0.0)
         return m, p.sum(-1), jnp.einsum("rgck,rgkv->rgcv", p, st.v)
 
-    # Each step's partials come out stacked, in chunk order ([steps, bh, g, C]), and
+    # Each step's partials come out stacked, in chunk order ([steps, w, g, C]), and
     # each entry reads its own back by its lane (one gather): no buffer of the entries
     # to fill first and scatter into every step.
     _, stacked = lax.scan(
@@ -136,14 +137,14 @@ def _forward(q, kb, vb, tables, statics, slots):
         jnp.arange(tables.j.shape[1] // g),
     )
     out = []
-    for (q, _, _, tables), (cm, cl, co) in zip(chains, stacked, strict=True):
-        bh, N = q.shape[:2]
-        lanes = _at_lanes(tables.lane, g * tables.qi.shape[2])
-        pm = jnp.where(tables.valid, lanes(cm).reshape(bh, N, slots), FLOOR)
+    for (r0, w), (cm, cl, co) in zip(chains, stacked, strict=True):
+        lanes = _at_lanes(tables.lane[r0 : r0 + w], g * tables.qi.shape[2])
+        valid = tables.valid[r0 : r0 + w]
+        pm = jnp.where(valid, lanes(cm).reshape(w, N, slots), FLOOR)
         m = jnp.max(pm, axis=-1)
-        w = jnp.where(tables.valid, jnp.exp(pm - m[..., None]), 0.0)
-        l = jnp.sum(w * lanes(cl).reshape(bh, N, slots), axis=-1)
-        o = jnp.einsum("rns,rnsv->rnv", w, lanes(co).reshape(bh, N, slots, -1))
+        e = jnp.where(valid, jnp.exp(pm - m[..., None]), 0.0)
+        l = jnp.sum(e * lanes(cl).reshape(w, N, slots), axis=-1)
+        o = jnp.einsum("rns,rnsv->rnv", e, lanes(co).reshape(w, N, slots, -1))
         out.append((m, l, o))
     return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*out, strict=True))
 
@@ -173,27 +174,30 @@ def _fwd(q, kb, vb, tables, statics, slots):
 def _bwd(statics, slots, residuals, cotangents):
     q, kb, vb, tables, m = residuals
     _, dl, do = cotangents  # o / l does not depend on m
-    chains = _rows(statics[4], q, kb, vb, tables, m, dl, do)
+    chains = _chains(q.shape[0], statics[4])
 
-    def one(i, chain, carry):
-        q, kb, vb, tables, m, dl, do = chain
-        dq, dkb, dvb = carry
-        rows = jnp.arange(q.shape[0])[:, None, None]
-        st = _Step(q, kb, vb, tables, statics, i)
+    def one(i, r0, w, carry):
+        dq, dkb, dvb = carry  # the chain's own rows
+        st = _Step(q, kb, vb, tables, statics, i, r0, w)
+        rows, local = st.rows, jnp.arange(w)[:, None, None]
         p = jnp.where(st.ok, jnp.exp(st.scores - m[rows, st.qi][..., None]), 0.0)
-        do_c = do[rows, st.qi]  # [bh, G, C, dv]
+        do_c = do[rows, st.qi]  # [w, G, C, dv]
         dp = jnp.einsum("rgcv,rgkv->rgck", do_c, st.v)
         ds = p * (dl[rows, st.qi][..., None] + dp)
-        dq = dq.at[rows, st.qi].add(jnp.einsum("rgck,rgkd->rgcd", ds, st.k))
-        dkb = dkb.at[rows[..., 0], st.j].add(jnp.einsum("rgck,rgcd->rgkd", ds, st.q))
-        dvb = dvb.at[rows[..., 0], st.j].add(jnp.einsum("rgck,rgcv->rgkv", p, do_c))
+        dq = dq.at[local, st.qi].add(jnp.einsum("rgck,rgkd->rgcd", ds, st.k))
+        dkb = dkb.at[local[..., 0], st.j].add(jnp.einsum("rgck,rgcd->rgkd", ds, st.q))
+        dvb = dvb.at[local[..., 0], st.j].add(jnp.einsum("rgck,rgcv->rgkv", p, do_c))
         return dq, dkb, dvb
 
-    init = tuple((jnp.zeros_like(c[0]), jnp.zeros_like(c[1]), jnp.zeros_like(c[2])) for c in chains)
+    init = tuple(
+        (jnp.zeros((w, *q.shape[1:]), q.dtype), jnp.zeros((w, *kb.shape[1:]), kb.dtype),
+         jnp.zeros((w, *vb.shape[1:]), vb.dtype))
+        for _, w in chains
+    )  # fmt: skip
     out = lax.fori_loop(
         0,
         tables.j.shape[1] // statics[3],
-        lambda i, carries: tuple(one(i, c, x) for c, x in zip(chains, carries, strict=True)),
+        lambda i, carries: tuple(one(i, *c, x) for c, x in zip(chains, carries, strict=True)),
         init,
     )
     dq, dkb, dvb = (jnp.concatenate(parts, axis=0) for parts in zip(*out, strict=True))
