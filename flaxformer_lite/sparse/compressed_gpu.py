@@ -77,20 +77,30 @@ def _first_tile(c, tq: int, bk: int, block: int, causal: bool):
     return ((c * bk + 1) * block - 1) // tq
 
 
+def _key_chunk(q, first, qseg, spans, k_ref, v_ref, c, *, scale, block, bk, causal,
+               segmented):  # fmt: skip
+    """Chunk ``c`` of compressed blocks against the query tile starting at ``first``:
+    (keys, values, scaled scores, visible)."""
+    part = pl.ds(pl.multiple_of(c * bk, bk), bk)
+    k, v = k_ref[part, :], v_ref[part, :]
+    i = first + jnp.arange(q.shape[0], dtype=jnp.int32)
+    j = c * bk + jnp.arange(bk, dtype=jnp.int32)
+    has, lo, hi = (ref[part] for ref in spans)
+    ok = _visible(i, j, has, lo, hi, qseg, block=block, causal=causal, segmented=segmented)
+    return k, v, plgpu.dot(q, k.T).astype(jnp.float32) * scale, ok
+
+
 def _forward_kernel(has_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, o_ref, lse_ref,
                     *, scale, block, bk, causal, segmented, chunks):  # fmt: skip
     t = pl.program_id(0)
     tq = q_ref.shape[0]
-    q, qseg = q_ref[...], qs_ref[...]
-    i = t * tq + jnp.arange(tq, dtype=jnp.int32)
+    q = q_ref[...]
+    chunk = functools.partial(_key_chunk, q, t * tq, qs_ref[...], (has_ref, lo_ref, hi_ref),
+                              k_ref, v_ref, scale=scale, block=block, bk=bk, causal=causal,
+                              segmented=segmented)  # fmt: skip
 
     def body(c, carry):
-        part = pl.ds(pl.multiple_of(c * bk, bk), bk)
-        k, v = k_ref[part, :], v_ref[part, :]
-        j = c * bk + jnp.arange(bk, dtype=jnp.int32)
-        ok = _visible(i, j, has_ref[part], lo_ref[part], hi_ref[part], qseg, block=block,
-                      causal=causal, segmented=segmented)  # fmt: skip
-        s = plgpu.dot(q, k.T).astype(jnp.float32) * scale
+        _, v, s, ok = chunk(c)
         return softmax_step(carry, s, ok, v)
 
     upper = _chunks_seen(t, tq, bk, block, causal, chunks)
@@ -102,16 +112,13 @@ def _dq_kernel(has_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
                qs_ref, dq_ref, *, scale, block, bk, causal, segmented, chunks):  # fmt: skip
     t = pl.program_id(0)
     tq = q_ref.shape[0]
-    q, do, lse, delta, qseg = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qs_ref[...]
-    i = t * tq + jnp.arange(tq, dtype=jnp.int32)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    chunk = functools.partial(_key_chunk, q, t * tq, qs_ref[...], (has_ref, lo_ref, hi_ref),
+                              k_ref, v_ref, scale=scale, block=block, bk=bk, causal=causal,
+                              segmented=segmented)  # fmt: skip
 
     def body(c, dq):
-        part = pl.ds(pl.multiple_of(c * bk, bk), bk)
-        k, v = k_ref[part, :], v_ref[part, :]
-        j = c * bk + jnp.arange(bk, dtype=jnp.int32)
-        ok = _visible(i, j, has_ref[part], lo_ref[part], hi_ref[part], qseg, block=block,
-                      causal=causal, segmented=segmented)  # fmt: skip
-        s = plgpu.dot(q, k.T).astype(jnp.float32) * scale
+        k, v, s, ok = chunk(c)
         return dq + plgpu.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
 
     upper = _chunks_seen(t, tq, bk, block, causal, chunks)
