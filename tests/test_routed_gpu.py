@@ -161,6 +161,17 @@ def test_moba_and_nsa_on_it_equal_their_xla_kernels(monkeypatch):
         assert relative_error(x, y) < TOL
 
 
+@pytest.mark.parametrize("limit", [routed_gather_gpu.KEY_LIMIT, 0])  # one key; argsort
+def test_the_entries_are_the_stable_order_by_block(monkeypatch, limit):
+    monkeypatch.setattr(routed_gather_gpu, "KEY_LIMIT", limit)
+    blocks = np.random.default_rng(0).integers(-1, 9, size=(3, 50, 4)).astype(np.int32)
+    order, offsets = routed_gather_gpu.entries(jnp.asarray(blocks), 9)
+    flat = np.where(blocks >= 0, blocks, 9).reshape(3, -1)
+    assert (np.asarray(order) == np.argsort(flat, axis=-1, kind="stable")).all()
+    below = (flat[:, :, None] < np.arange(10)[None, None]).sum(1)  # entries before block j
+    assert (np.asarray(offsets) == below).all()
+
+
 def test_bad_arguments_are_named():
     q = jnp.zeros((1, 32, 1, 16))
     table = jnp.zeros((1, 1, 32, 1), jnp.int32)

@@ -38,6 +38,9 @@ Array = jax.Array
 NAME = "routed_gather_attention"  # its kernels: NAME_forward, NAME_backward
 
 
+KEY_LIMIT = 2**31 - 1  # the largest sort key entries() packs into one int32
+
+
 def entries(blocks: Array, nb: int) -> tuple[Array, Array]:
     """``blocks [b*h, m, S]`` (the key block of each query's slot, -1 = empty) ->
     (entry ids ``i * S + slot`` sorted by block ``[b*h, m * S]``, offsets ``[b*h, nb +
@@ -45,7 +48,7 @@ def entries(blocks: Array, nb: int) -> tuple[Array, Array]:
     bh = blocks.shape[0]
     flat = jnp.where(blocks >= 0, blocks, nb).reshape(bh, -1)
     E = flat.shape[1]
-    if (nb + 1) * E < 2**31:  # one int32 key, block * E + id: unique, so sorting it
+    if (nb + 1) * E <= KEY_LIMIT:  # one int32 key, block * E + id: unique, so sorting it
         # is the stable argsort at a fraction of its cost (XLA:CPU sorts key-value
         # pairs through a comparator: 16k tokens, 8 heads, 4 slots: 0.16 s against 0.03)
         keyed = flat * E + jnp.arange(E, dtype=jnp.int32)
