@@ -189,15 +189,7 @@ def _forward(q, kc, vc, tables, statics):
     return pl.pallas_call(
         kernel,
         grid=(m // tq, bh),
-        in_specs=[
-            table,
-            table,
-            table,
-            tile(tq, d),
-            whole(width, d),
-            whole(width, dv),
-            batch_tile(tq),
-        ],  # fmt: skip
+        in_specs=[*[table] * 3, tile(tq, d), whole(width, d), whole(width, dv), batch_tile(tq)],
         out_specs=[tile(tq, dv), tile(tq)],
         out_shape=[
             jax.ShapeDtypeStruct((bh, m, dv), q.dtype),
@@ -233,9 +225,7 @@ def _attend_bwd(statics, residuals, g):
         functools.partial(_dq_kernel, bk=bk, chunks=width // bk, **common),
         grid=(m // tq, bh),
         in_specs=[
-            table,
-            table,
-            table,
+            *[table] * 3,
             tile(tq, d),
             whole(width, d),
             whole(width, dv),
@@ -243,7 +233,7 @@ def _attend_bwd(statics, residuals, g):
             tile(tq),
             tile(tq),
             batch_tile(tq),
-        ],  # fmt: skip
+        ],
         out_specs=tile(tq, d),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=compiler_params(4, 2, interpret),
@@ -254,9 +244,7 @@ def _attend_bwd(statics, residuals, g):
         functools.partial(_dkdv_kernel, tq=tq, tiles=m // tq, **common),
         grid=(width // bk, bh),
         in_specs=[
-            batch_tile(bk),
-            batch_tile(bk),
-            batch_tile(bk),
+            *[batch_tile(bk)] * 3,
             whole(m, d),
             tile(bk, d),
             tile(bk, dv),
@@ -264,7 +252,7 @@ def _attend_bwd(statics, residuals, g):
             whole(m),
             whole(m),
             ids_whole,
-        ],  # fmt: skip
+        ],
         out_specs=[tile(bk, d), tile(bk, dv)],
         out_shape=[
             jax.ShapeDtypeStruct(kc.shape, kc.dtype),
