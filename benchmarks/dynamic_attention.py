@@ -1,7 +1,7 @@
 """Dynamic sparse attention's cost on CPU: MoBA and NSA block routing against dense
 attention, top-k and BigBird, causal (a language model's self-attention).
 
-  python benchmarks/dynamic_attention.py [--lengths 4096,16384,65536] [--reps 3]
+  python benchmarks/dynamic_attention.py [--lengths 4096,16384,65536] [--reps 5]
 
 B=1, 8 heads, head dim 64, float32. Kernels:
   dense          - softmax(QK^T/sqrt(d))V with its n x n weights (compiled for its memory
@@ -15,11 +15,15 @@ B=1, 8 heads, head dim 64, float32. Kernels:
   moba_rows      - the same, each query's blocks gathered (sparse/routed_kernel.py);
   nsa            - nsa:block=64,k=4,window=128 (compressed + 4 selected blocks + window).
 
-Per length and kernel: the forward+backward wall time (median of --reps after a
-compile run) and XLA's peak buffers of that program (arguments + outputs +
-temporaries, ``compiled.memory_analysis()``), and the share of the causal pairs the
-kernel reads. Ratios divide the faster dense kernel's time (and topk's) by the
-kernel's, measured in this process. Writes benchmarks/results/dynamic_attention.{json,md}.
+Per length and kernel: the forward+backward wall time and XLA's peak buffers of that
+program (arguments + outputs + temporaries, ``compiled.memory_analysis()``), and the
+share of the causal pairs the kernel reads. At each length every kernel is compiled
+and run once first, then the kernels run in turn, --reps rounds of one call each, so
+that a machine whose speed drifts (a shared 2-core VM moved chunked dense's 16k time
+between 7.3 and 11.6 s in one afternoon) slows every kernel of a round alike. Time:
+the median over the rounds. Ratios divide the faster dense kernel's time (and topk's)
+by the kernel's, per round; the table gives their median and, where there are three
+rounds or more, their range. Writes benchmarks/results/dynamic_attention.{json,md}.
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ def compiled_bytes(compiled) -> int:
                - m.alias_size_in_bytes)  # fmt: skip
 
 
-def run_one(name: str, n: int, reps: int, execute: bool) -> dict:
+def compile_one(name: str, n: int):
+    """(inputs, the compiled forward+backward, its row without times) of a kernel."""
     q, k, v = (
         jax.random.normal(x, (1, n, HEADS, HEAD_DIM))
         for x in jax.random.split(jax.random.key(n), 3)
@@ -94,16 +99,35 @@ def run_one(name: str, n: int, reps: int, execute: bool) -> dict:
     step = jax.jit(jax.grad(lambda q, k, v: (f(q, k, v) * w).sum(), argnums=(0, 1, 2)))
     compiled = step.lower(q, k, v).compile()
     row = {"kernel": name, "length": n, "bytes": compiled_bytes(compiled), "seconds": None,
-           "keys_read": keys_read(name, n)}  # fmt: skip
-    if execute:
-        jax.block_until_ready(compiled(q, k, v))
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            jax.block_until_ready(compiled(q, k, v))
-            times.append(time.perf_counter() - started)
-        row["seconds"] = statistics.median(times)
-    return row
+           "rounds": [], "keys_read": keys_read(name, n)}  # fmt: skip
+    return (q, k, v), compiled, row
+
+
+def run_length(n: int, names: list[str], reps: int, dense_max: int) -> list[dict]:
+    """The rows of every kernel at length ``n``: compiled and run once each, then
+    ``reps`` rounds in which each kernel runs once, in turn."""
+    runs = [(compile_one(name, n), name != "dense" or n <= dense_max) for name in names]
+    for (args, compiled, _), execute in runs:
+        if execute:
+            jax.block_until_ready(compiled(*args))
+    for _ in range(reps):
+        for (args, compiled, row), execute in runs:
+            if execute:
+                started = time.perf_counter()
+                jax.block_until_ready(compiled(*args))
+                row["rounds"].append(time.perf_counter() - started)
+    rows = [row for (_, _, row), _ in runs]
+    for row in rows:
+        if row["rounds"]:
+            row["seconds"] = statistics.median(row["rounds"])
+    return rows
+
+
+def ratios(row: dict, base: dict | None) -> list[float]:
+    """``base``'s time over ``row``'s, round by round (both measured in the same rounds)."""
+    if not base or not row["rounds"] or len(base["rounds"]) != len(row["rounds"]):
+        return []
+    return [b / t for b, t in zip(base["rounds"], row["rounds"], strict=True)]
 
 
 def _cpu() -> str:
@@ -121,7 +145,17 @@ def _t(x) -> str:
     return "(not run)" if x is None else f"{x:.3f} s"
 
 
-def report(rows: list[dict], out: Path, command: str) -> None:
+def _ratio(per_round: list[float]) -> str:
+    """The median ratio, with its range over the rounds where there are three or more."""
+    if not per_round:
+        return "-"
+    text = f"{statistics.median(per_round):.1f}x"
+    if len(per_round) >= 3:
+        text += f" ({min(per_round):.1f}-{max(per_round):.1f})"
+    return text
+
+
+def report(rows: list[dict], out: Path, command: str, reps: int) -> None:
     at = {(r["kernel"], r["length"]): r for r in rows}
     lines = [
         "# Dynamic sparse attention on CPU: forward + backward",
@@ -129,21 +163,22 @@ def report(rows: list[dict], out: Path, command: str) -> None:
         f"`{command}` on {_cpu()} "
         f"({jax.devices()[0].device_kind}, {len(jax.devices())} device); B=1, {HEADS} heads, "
         f"head dim {HEAD_DIM}, float32, causal. Time: median wall seconds of the jitted "
-        "forward+backward; memory: XLA's peak buffers of that program; ratios against the "
-        "faster dense kernel and against top-k at the same length, in this process.",
+        f"forward+backward over {reps} rounds in which every kernel of a length runs once, "
+        "in turn; memory: XLA's peak buffers of that program; ratios against the faster "
+        "dense kernel and against top-k at the same length, per round: median (range).",
         "",
         "| length | kernel | keys read | fwd+bwd | memory | vs dense | vs topk |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         n = r["length"]
-        dense = [at[(k, n)]["seconds"] for k in ("dense", "dense_chunked")
+        dense = [at[(k, n)] for k in ("dense", "dense_chunked")
                  if (k, n) in at and at[(k, n)]["seconds"]]  # fmt: skip
-        topk = at.get(("topk", n), {}).get("seconds")
-        ratio = lambda base, s=r["seconds"]: f"{base / s:.1f}x" if base and s else "-"
+        faster = min(dense, key=lambda x: x["seconds"], default=None)
+        r["vs_dense"], r["vs_topk"] = ratios(r, faster), ratios(r, at.get(("topk", n)))
         lines.append(
             f"| {n:,} | {r['kernel']} | {r['keys_read']:.1%} | {_t(r['seconds'])} | "
-            f"{r['bytes'] / 2**20:,.0f} MiB | {ratio(min(dense, default=None))} | {ratio(topk)} |"
+            f"{r['bytes'] / 2**20:,.0f} MiB | {_ratio(r['vs_dense'])} | {_ratio(r['vs_topk'])} |"
         )
     (out / "dynamic_attention.md").write_text("\n".join(lines) + "\n")
     (out / "dynamic_attention.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -157,20 +192,20 @@ def main() -> None:
     parser.add_argument("--dense_max", type=int, default=8192, help="longest plain dense run")
     parser.add_argument("--quadratic_max", type=int, default=16384,
                         help="longest dense_chunked and topk run (their time is n^2)")  # fmt: skip
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="rounds")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)  # before the measuring, not after it
     rows = []
     for n in (int(x) for x in args.lengths.split(",")):
-        for name in args.kernels.split(","):
-            if name in ("dense_chunked", "topk") and n > args.quadratic_max:
-                continue
-            row = run_one(name, n, args.reps, execute=name != "dense" or n <= args.dense_max)
+        names = [name for name in args.kernels.split(",")
+                 if name not in ("dense_chunked", "topk") or n <= args.quadratic_max]  # fmt: skip
+        for row in run_length(n, names, args.reps, args.dense_max):
             rows.append(row)
-            print(f"L={n:6d} {name:14s} fwd+bwd {_t(row['seconds'])} "
+            print(f"L={n:6d} {row['kernel']:14s} fwd+bwd {_t(row['seconds'])} "
                   f"memory {row['bytes'] / 2**20:9.1f} MiB", flush=True)  # fmt: skip
-    report(rows, Path(args.out), "python benchmarks/dynamic_attention.py " + " ".join(sys.argv[1:]))
+    command = "python benchmarks/dynamic_attention.py " + " ".join(sys.argv[1:])
+    report(rows, Path(args.out), command, args.reps)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,28 @@ def test_blocked_agrees_with_reference_in_float64(name, causal, rng):
             np.testing.assert_allclose(a, r, rtol=1e-9, atol=1e-12)
 
 
+def test_normalise_backward_is_the_quotients(rng):
+    """online_softmax.normalise's written-out backward equals autodiff of
+    ``where(l > 0, o / l, 0)`` in float64 (rounding only), zero where ``l == 0``; a
+    backward that forgot the ``dl`` term or divided by ``l`` twice fails."""
+    from flaxformer_lite.sparse.online_softmax import normalise
+
+    def quotient(o, l):
+        return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+    with jax.enable_x64():
+        o = jnp.asarray(rng.normal(size=(2, 3, 7, 5)))
+        l = jnp.asarray(rng.uniform(0.2, 3.0, size=(2, 3, 7))).at[0, 1, 2].set(0.0)
+        g = jnp.asarray(rng.normal(size=o.shape))
+        grads = [jax.grad(lambda o, l, f=f: (f(o, l) * g).sum(), (0, 1))(o, l)
+                 for f in (normalise, quotient)]  # fmt: skip
+        np.testing.assert_allclose(normalise(o, l), quotient(o, l), rtol=1e-14)
+        for got, want in zip(*grads, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+        assert not grads[0][0][0, 1, 2].any() and grads[0][1][0, 1, 2] == 0
+        assert float(abs(grads[0][1]).max()) > 0.1  # the dl term is there to check
+
+
 @pytest.mark.parametrize(
     "name,scan_blocks", [("bigbird", 2), ("local|strided|global", 2), ("fixed", 1)]
 )
