@@ -17,13 +17,17 @@ B=1, 8 heads, head dim 64, float32. Kernels:
 
 Per length and kernel: the forward+backward wall time and XLA's peak buffers of that
 program (arguments + outputs + temporaries, ``compiled.memory_analysis()``), and the
-share of the causal pairs the kernel reads. At each length every kernel is compiled
-and run once first, then the kernels run in turn, --reps rounds of one call each, so
-that a machine whose speed drifts (a shared 2-core VM moved chunked dense's 16k time
-between 7.3 and 11.6 s in one afternoon) slows every kernel of a round alike. Time:
-the median over the rounds. Ratios divide the faster dense kernel's time (and topk's)
-by the kernel's, per round; the table gives their median and, where there are three
-rounds or more, their range. Writes benchmarks/results/dynamic_attention.{json,md}.
+share of the causal pairs the kernel reads. At each length the kernels run in turn,
+--reps rounds, so that a machine whose speed drifts (a shared 2-core VM moved chunked
+dense's 16k time between 7.3 and 11.6 s in one afternoon) slows every kernel of a
+round alike; in a round each kernel makes one untimed call before its timed one,
+because the first call after another program faults its buffers' pages in afresh (at
+16k, NSA's first call after a 10 GB program took 3.0 s, the next 1.1 s): the timed
+call is the steady state a training step sees. The n^2-memory kernels (topk, plain
+dense) run after the rounds, alone, for the same reason. Time: the median over the
+rounds. Ratios divide the faster dense kernel's time (and topk's) by the kernel's: per
+round against chunked dense (median and, with three rounds or more, the range), of
+the medians otherwise. Writes benchmarks/results/dynamic_attention.{json,md}.
 """
 
 from __future__ import annotations
@@ -103,20 +107,30 @@ def compile_one(name: str, n: int):
     return (q, k, v), compiled, row
 
 
+ALONE = ("topk", "dense")  # n^2 memory: measured after the rounds, not between them
+
+
+def _timed(compiled, args) -> float:
+    started = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - started
+
+
 def run_length(n: int, names: list[str], reps: int, dense_max: int) -> list[dict]:
-    """The rows of every kernel at length ``n``: compiled and run once each, then
-    ``reps`` rounds in which each kernel runs once, in turn."""
-    runs = [(compile_one(name, n), name != "dense" or n <= dense_max) for name in names]
-    for (args, compiled, _), execute in runs:
-        if execute:
-            jax.block_until_ready(compiled(*args))
+    """The rows of every kernel at length ``n`` (module doc): ``reps`` rounds of the
+    kernels in turn, each an untimed then a timed call; then the :data:`ALONE` ones."""
+    runs = [compile_one(name, n) for name in names]
+    turns = [r for r in runs if r[2]["kernel"] not in ALONE]
     for _ in range(reps):
-        for (args, compiled, row), execute in runs:
-            if execute:
-                started = time.perf_counter()
-                jax.block_until_ready(compiled(*args))
-                row["rounds"].append(time.perf_counter() - started)
-    rows = [row for (_, _, row), _ in runs]
+        for args, compiled, row in turns:
+            jax.block_until_ready(compiled(*args))
+            row["rounds"].append(_timed(compiled, args))
+    for args, compiled, row in runs:
+        if row["kernel"] in ALONE and (row["kernel"] != "dense" or n <= dense_max):
+            jax.block_until_ready(compiled(*args))
+            row["alone"] = True
+            row["rounds"] = [_timed(compiled, args) for _ in range(reps)]
+    rows = [row for _, _, row in runs]
     for row in rows:
         if row["rounds"]:
             row["seconds"] = statistics.median(row["rounds"])
@@ -124,9 +138,12 @@ def run_length(n: int, names: list[str], reps: int, dense_max: int) -> list[dict
 
 
 def ratios(row: dict, base: dict | None) -> list[float]:
-    """``base``'s time over ``row``'s, round by round (both measured in the same rounds)."""
-    if not base or not row["rounds"] or len(base["rounds"]) != len(row["rounds"]):
+    """``base``'s time over ``row``'s: round by round where both ran in the rounds, else
+    the ratio of their medians (one value)."""
+    if not base or not row["rounds"] or not base["rounds"]:
         return []
+    if row.get("alone") or base.get("alone"):
+        return [base["seconds"] / row["seconds"]]
     return [b / t for b, t in zip(base["rounds"], row["rounds"], strict=True)]
 
 
@@ -163,9 +180,11 @@ def report(rows: list[dict], out: Path, command: str, reps: int) -> None:
         f"`{command}` on {_cpu()} "
         f"({jax.devices()[0].device_kind}, {len(jax.devices())} device); B=1, {HEADS} heads, "
         f"head dim {HEAD_DIM}, float32, causal. Time: median wall seconds of the jitted "
-        f"forward+backward over {reps} rounds in which every kernel of a length runs once, "
-        "in turn; memory: XLA's peak buffers of that program; ratios against the faster "
-        "dense kernel and against top-k at the same length, per round: median (range).",
+        f"forward+backward over {reps} rounds in which the kernels of a length run in turn "
+        "(each an untimed, then a timed call; topk and plain dense alone, after them); "
+        "memory: XLA's peak buffers of that program; ratios against the faster dense "
+        "kernel and against top-k at the same length: per round where both ran in the "
+        "rounds, median (range), else of the medians.",
         "",
         "| length | kernel | keys read | fwd+bwd | memory | vs dense | vs topk |",
         "|---|---|---:|---:|---:|---:|---:|",
