@@ -351,11 +351,13 @@ def main(argv: list[str]) -> None:
     if not command.workdir:  # fields: nothing to fail but the config's own import
         command.run(argv[2:])
         return
+    from flaxformer_lite.workdir import location
     from flaxformer_lite.workdir.compile_cache import keep_compiled_programs
 
-    keep_compiled_programs(_XLA_CACHE.value)
     errors = _user_errors()
     try:
+        location.check(_WORKDIR.value)  # a bad or unreachable location: nothing written
+        keep_compiled_programs(_XLA_CACHE.value)
         command.run(argv[2:])
     except errors as e:
         if _DEBUG.value:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import struct
@@ -297,3 +298,55 @@ class Compiles:
         import jax
 
         jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def debug_command(fixture_data, workdir, num_steps, checkpoint_every=3, *extra) -> list[str]:
+    """The command line of a :debug translation run on the fixture corpus that logs every
+    step and its examples (the faults' and the buckets' tests compare runs by them)."""
+    _, data_dir = fixture_data
+    return [
+        sys.executable, "-m", "flaxformer_lite.main",
+        f"--config={ROOT / 'configs/ende_small.py'}:debug", f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}", "--config.model.vocab_size=100",
+        "--config.model.residual_dropout=0.1", "--config.model.embedding_dropout=0.1",
+        f"--config.train.num_steps={num_steps}",
+        f"--config.train.checkpoint_every={checkpoint_every}",
+        "--config.train.eval_bleu_sentences=0", "--config.train.log_every=1",
+        "--config.train.log_examples=true", *extra,
+    ]  # fmt: skip
+
+
+def debug_env(fixture_data, **extra) -> dict[str, str]:
+    """The environment of such a run: the fixture packages, the CPU, one device."""
+    raw, _ = fixture_data
+    return dict(os.environ, FLAXFORMER_RAW_DIR=str(raw), JAX_PLATFORMS="cpu",
+                XLA_FLAGS=xla_flags(None), **extra)  # fmt: skip
+
+
+def train_losses(workdir) -> dict[int, float]:
+    """Each step's training loss in a run's ``metrics.jsonl`` (local or in a bucket); a
+    step trained again after a restart must repeat it."""
+    losses: dict[int, float] = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["split"] == "train":
+            assert losses.setdefault(r["step"], r["loss"]) == r["loss"], r["step"]
+    return losses
+
+
+def step_examples(workdir) -> dict[int, list[int]]:
+    """Each step's example ids (epoch << 32 | index); a step trained again after a
+    restart must see the same examples."""
+    seen: dict[int, list[int]] = {}
+    for line in (workdir / "examples.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        assert seen.setdefault(r["step"], r["ids"]) == r["ids"], f"step {r['step']}"
+    return seen
+
+
+def assert_same_params(a, b) -> None:
+    import jax
+    import numpy as np
+
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -5,16 +5,13 @@ faulted run must end as an uninterrupted one does: the same per-step losses, the
 same examples in every step, bit-identical parameters."""
 
 import json
-import os
 import pathlib
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 
@@ -22,7 +19,8 @@ from flaxformer_lite.inference.evaluation import evaluate_workdir
 from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.training.state import abstract_train_state
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
-from tests.fixtures import debug_config, xla_flags
+from tests import fixtures
+from tests.fixtures import debug_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # In-process training here is not about devices (its subprocesses: one device too).
@@ -31,30 +29,10 @@ STEPS = 12  # checkpoints at 3, 6, 9, 12; the first epoch (105 pairs) ends at st
 
 
 def _command(fixture_data, workdir, num_steps, checkpoint_every=3):
-    _, data_dir = fixture_data
-    return [
-        sys.executable,
-        "-m",
-        "flaxformer_lite.main",
-        "--config=configs/ende_small.py:debug",
-        f"--workdir={workdir}",
-        f"--config.data.data_dir={data_dir}",
-        "--config.model.vocab_size=100",
-        "--config.model.residual_dropout=0.1",
-        "--config.model.embedding_dropout=0.1",
-        f"--config.train.num_steps={num_steps}",
-        f"--config.train.checkpoint_every={checkpoint_every}",
-        "--config.train.eval_bleu_sentences=0",
-        "--config.train.log_every=1",
-        "--config.train.log_examples=true",
-    ]
+    return fixtures.debug_command(fixture_data, workdir, num_steps, checkpoint_every)
 
 
-def _env(fixture_data):
-    raw, _ = fixture_data
-    return dict(
-        os.environ, FLAXFORMER_RAW_DIR=str(raw), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(None)
-    )
+_env = fixtures.debug_env
 
 
 def _run(fixture_data, workdir, num_steps=STEPS, expect=0):
@@ -132,24 +110,8 @@ def _saving(folder):
     )
 
 
-def _losses(workdir) -> dict[int, float]:
-    """Each step's training loss; a step trained again after a restart must repeat it."""
-    losses: dict[int, float] = {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["split"] == "train":
-            assert losses.setdefault(r["step"], r["loss"]) == r["loss"], r["step"]
-    return losses
-
-
-def _examples(workdir) -> dict[int, list[int]]:
-    """Each step's example ids (epoch << 32 | index); a step trained again after a
-    restart must see the same examples."""
-    seen: dict[int, list[int]] = {}
-    for line in (workdir / "examples.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        assert seen.setdefault(r["step"], r["ids"]) == r["ids"], f"step {r['step']}"
-    return seen
+_losses = fixtures.train_losses
+_examples = fixtures.step_examples
 
 
 def _final_params(fixture_data, workdir, step=STEPS):
@@ -158,9 +120,7 @@ def _final_params(fixture_data, workdir, step=STEPS):
     return params, restored
 
 
-def _assert_same_params(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+_assert_same_params = fixtures.assert_same_params
 
 
 def _assert_reproduces(fixture_data, run, straight):

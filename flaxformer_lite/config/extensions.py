@@ -30,8 +30,11 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from etils import epath
 
 from flaxformer_lite.config.fields import ConfigError
 from flaxformer_lite.sparse import spec
@@ -152,8 +155,14 @@ def origin(kind: str, name: str) -> str | None:
 # The run folder's copies ----------------------------------------------------------------
 
 
-def _manifest(workdir: Path) -> list[dict[str, str]]:
-    path = Path(workdir) / FOLDER / MANIFEST
+def _folder(workdir) -> epath.Path:
+    """A run folder as a path: local, or a bucket's (``gs://``, which ``pathlib`` cannot
+    hold; :mod:`flaxformer_lite.workdir.location` checks such URLs before they come here)."""
+    return workdir if isinstance(workdir, epath.Path) else epath.Path(os.fspath(workdir))
+
+
+def _manifest(workdir) -> list[dict[str, str]]:
+    path = _folder(workdir) / FOLDER / MANIFEST
     if not path.is_file():
         return []
     try:
@@ -162,18 +171,21 @@ def _manifest(workdir: Path) -> list[dict[str, str]]:
         raise ExtensionError(f"{path} is not valid JSON ({e}); restore it") from e
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: epath.Path, data: bytes) -> None:
+    if "://" in os.fspath(path):  # a bucket: one upload is whole or absent
+        path.write_bytes(data)
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
 
 
-def verify(text: str | None, workdir: str | Path) -> list[dict[str, str]]:
+def verify(text: str | None, workdir) -> list[dict[str, str]]:
     """The records of ``model.extensions``' files against what ``workdir`` kept (a
     resumed run): each must be code the run was trained with, else an ExtensionError
     naming the file and the fix. Checked before the run's copies are read, so that a
     changed file is named as such (not as a name registered twice)."""
-    workdir = Path(workdir)
+    workdir = _folder(workdir)
     kept = _manifest(workdir)
     by_sha = {r["sha256"]: r for r in kept}
     records = []
@@ -195,10 +207,10 @@ def verify(text: str | None, workdir: str | Path) -> list[dict[str, str]]:
     return records
 
 
-def keep(text: str | None, workdir: str | Path) -> None:
+def keep(text: str | None, workdir) -> None:
     """Copy each extension into ``workdir/extensions`` with its SHA-256 (training, at the
     start). A resumed run checks that its extensions are the code it was trained with."""
-    workdir = Path(workdir)
+    workdir = _folder(workdir)
     if _manifest(workdir):
         verify(text, workdir)
         return
@@ -215,16 +227,20 @@ def keep(text: str | None, workdir: str | Path) -> None:
         _write_atomic(workdir / FOLDER / MANIFEST, json.dumps(records, indent=2).encode())
 
 
-def load_kept(workdir: str | Path) -> list[dict[str, str]]:
+def load_kept(
+    workdir, local_file: Callable[[epath.Path, bytes], str] | None = None
+) -> list[dict[str, str]]:
     """Import the run's copies of its extensions (checked against their SHA-256) under
-    the entries its config names; returns the manifest's records."""
-    workdir = Path(workdir)
+    the entries its config names; returns the manifest's records. ``local_file(copy,
+    code)`` gives a local file of a copy in a bucket (Python imports files only)."""
+    workdir = _folder(workdir)
     records = _manifest(workdir)
     for r in records:
         copy = workdir / FOLDER / r["copy"]
         if _LOADED.get(r["entry"]) == r["sha256"] and copy.is_file():
             continue  # imported before (a sweep reads many runs of one extension)
-        if not copy.is_file() or digest(copy) != r["sha256"]:
+        code = copy.read_bytes() if copy.is_file() else None
+        if code is None or hashlib.sha256(code).hexdigest() != r["sha256"]:
             raise ExtensionError(
                 f"{copy} is missing or differs from what the run kept (SHA-256 "
                 f"{r['sha256'][:12]}); restore it from {r['entry']} at the run's version"
@@ -235,11 +251,12 @@ def load_kept(workdir: str | Path) -> list[dict[str, str]]:
                 f"kept (its copy: {copy}); run this command apart, or restore the file"
             )
         _warn_if_changed(r, copy)
-        _import(r["entry"], copy, r["sha256"])
+        remote = "://" in os.fspath(copy)
+        _import(r["entry"], Path(local_file(copy, code)) if remote else Path(copy), r["sha256"])
     return records
 
 
-def _warn_if_changed(record: dict[str, str], copy: Path) -> None:
+def _warn_if_changed(record: dict[str, str], copy) -> None:
     try:
         live = source(record["entry"])
     except ExtensionError:

@@ -28,6 +28,7 @@ from flaxformer_lite.data import cooccurrence, files, pipeline, sources, synthet
 from flaxformer_lite.data.table import ExampleTable
 from flaxformer_lite.data.token_store import Store, View
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer, load_or_train
+from flaxformer_lite.workdir import location
 
 
 @dataclasses.dataclass
@@ -217,7 +218,7 @@ def stream_table(tables: list[ExampleTable], max_length: int) -> ExampleTable:
     return ExampleTable.of_store(Store((key,), {key: ids}, {key: np.asarray(ends, np.int64)}))
 
 
-def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
+def prepare_data(config: ExperimentConfig, workdir) -> TrainingData:
     """Text splits -> the workdir's tokenizer (trained on train splits once) -> token
     ids (the token cache); for a generated task (``recall``, ``classify``) its
     examples, which are ids already."""
@@ -234,7 +235,7 @@ def prepare_data(config: ExperimentConfig, workdir: Path) -> TrainingData:
     # The tokenizer learns from one direction: the fixed pairs and every pool pair.
     learn = fixed + [selection for selection, _ in pools]
     tags = tuple(tag for tag in (d.aux_tag, d.reverse_tag) if tag)
-    started, trained = time.perf_counter(), not (Path(workdir) / MODEL_NAME).exists()
+    started, trained = time.perf_counter(), not (location.path(workdir) / MODEL_NAME).exists()
     tokenizer = load_or_train(
         workdir,
         lambda: tokenizer_sentences(
@@ -334,10 +335,10 @@ def check_generated(config: ExperimentConfig) -> synthetic.Spec:
 CORPUS_FILE = "corpus.json"
 
 
-def check_corpus(workdir: Path, dataset: str, fingerprint: str) -> None:
+def check_corpus(workdir, dataset: str, fingerprint: str) -> None:
     """Record which files a run trains on (``corpus.json``); a resume that finds other
     content there is refused, since the run's tokenizer and data order came from it."""
-    path = Path(workdir) / CORPUS_FILE
+    path = location.path(workdir) / CORPUS_FILE
     if path.exists():
         before = json.loads(path.read_text())
         if before.get("fingerprint") != fingerprint:
@@ -348,10 +349,9 @@ def check_corpus(workdir: Path, dataset: str, fingerprint: str) -> None:
                 "the run had"
             )
         return
-    Path(workdir).mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"dataset": dataset, "fingerprint": fingerprint}, indent=2))
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"dataset": dataset, "fingerprint": fingerprint}
+    location.write_atomic(path, json.dumps(record, indent=2))
 
 
 def validation_examples(

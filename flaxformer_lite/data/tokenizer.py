@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from flaxformer_lite.workdir import location
+
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_NAME = "tokenizer.model"
 
@@ -36,7 +38,8 @@ class Tokenizer:
 
     def __init__(self, processor: spm.SentencePieceProcessor, path: Path | None = None):
         self.sp = processor
-        self.path = path
+        self.path = path  # a local file (a bucket's model: its copy in this machine's cache)
+        self.origin = path  # where it was read from (a run folder, local or in a bucket)
         if (self.sp.pad_id(), self.sp.eos_id(), self.sp.bos_id()) != (PAD_ID, EOS_ID, BOS_ID):
             raise ValueError(
                 f"sentencepiece model {path} has pad/eos/bos ids "
@@ -80,21 +83,27 @@ class Tokenizer:
         return self.sp.decode(_until_eos(ids, (PAD_ID, BOS_ID)))
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
-        """A sentencepiece model, or a :class:`PairTokenizer` archive."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no sentencepiece model at {path}")
+    def load(cls, path) -> Tokenizer:
+        """A sentencepiece model, or a :class:`PairTokenizer` archive (local, or in a
+        bucket: read through a local copy, which token-cache workers and exports open)."""
+        origin = location.path(path, "tokenizer")
+        if not origin.is_file():
+            raise FileNotFoundError(f"no sentencepiece model at {origin}")
+        path = Path(location.local_copy(origin))
         if zipfile.is_zipfile(path):
-            return PairTokenizer.load(path)
-        sp = spm.SentencePieceProcessor()
-        try:
-            sp.load(str(path))
-        except (OSError, RuntimeError) as e:
-            raise ValueError(
-                f"{path} is not a valid sentencepiece model ({e}); delete it to train a new one"
-            ) from e
-        return cls(sp, path)
+            tokenizer = PairTokenizer.load(path)
+        else:
+            sp = spm.SentencePieceProcessor()
+            try:
+                sp.load(str(path))
+            except (OSError, RuntimeError) as e:
+                raise ValueError(
+                    f"{origin} is not a valid sentencepiece model ({e}); delete it to train a "
+                    "new one"
+                ) from e
+            tokenizer = cls(sp, path)
+        tokenizer.origin = origin
+        return tokenizer
 
 
 def _until_eos(ids: Iterable[int], skip: tuple[int, ...]) -> list[int]:
@@ -123,7 +132,7 @@ def train_tokenizer(
 
     ``user_symbols`` (e.g. a data tag ``<dict>``) become single pieces wherever they occur.
     """
-    path = Path(path)
+    path = location.path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     try:
@@ -149,14 +158,12 @@ def train_tokenizer(
             f"sentencepiece could not train a {vocab_size}-piece vocabulary ({e}); "
             "lower model.vocab_size or add training data"
         ) from e
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(buffer.getvalue())
-    os.replace(tmp, path)  # never a half-written model
+    location.write_atomic(path, buffer.getvalue())  # never a half-written model
     return Tokenizer.load(path)
 
 
 def load_or_train(
-    workdir: str | Path,
+    workdir,
     sentences_fn,
     vocab_size: int,
     user_symbols: tuple[str, ...] = (),
@@ -166,9 +173,9 @@ def load_or_train(
     from ``given`` (``data.tokenizer``, an existing model) after checking that it fits
     (ids, ``vocab_size``, the tags). A workdir that holds another tokenizer than
     ``given`` is refused: its run learned that vocabulary."""
-    path = Path(workdir) / MODEL_NAME
+    path = location.path(workdir) / MODEL_NAME
     if given:
-        return _adopt(Path(given), path, vocab_size, user_symbols)
+        return _adopt(location.path(given, "data.tokenizer"), path, vocab_size, user_symbols)
     if path.exists():
         tokenizer = Tokenizer.load(path)
         _check_symbols(
@@ -182,12 +189,12 @@ def _check_symbols(tokenizer: Tokenizer, symbols: tuple[str, ...], fix: str) -> 
     for symbol in symbols:
         if tokenizer.piece_to_id(symbol) == tokenizer.unk_id:
             raise ValueError(
-                f"{tokenizer.path} has no piece for the tag {symbol!r}; it was trained "
+                f"{tokenizer.origin} has no piece for the tag {symbol!r}; it was trained "
                 f"without it. {fix}"
             )
 
 
-def _adopt(given: Path, path: Path, vocab_size: int, symbols: tuple[str, ...]) -> Tokenizer:
+def _adopt(given, path, vocab_size: int, symbols: tuple[str, ...]) -> Tokenizer:
     """``given`` checked and copied to ``path`` (atomically), or ``path`` if it is the same."""
     what = f"data.tokenizer={given}"
     if not given.is_file():
@@ -213,9 +220,7 @@ def _adopt(given: Path, path: Path, vocab_size: int, symbols: tuple[str, ...]) -
             )
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # never a half-written model
+        location.write_atomic(path, data)  # never a half-written model
     return Tokenizer.load(path)
 
 
@@ -232,6 +237,7 @@ class PairTokenizer(Tokenizer):
     def __init__(self, source: bytes, target: bytes, pieces: list[str], unk_id: int,
                  path: Path | None = None, column: int = 0):  # fmt: skip
         self.path, self.pieces, self.unk_id, self.column = path, pieces, unk_id, column
+        self.origin = path
         self._models = (source, target)
         self._index = {p: i for i, p in enumerate(pieces)}
         self.sp = _processor(source if column == 0 else target)
@@ -246,6 +252,7 @@ class PairTokenizer(Tokenizer):
         if column not in self._sides:
             other = PairTokenizer(*self._models, self.pieces, self.unk_id, self.path, column)
             other._sides = self._sides
+            other.origin = self.origin
             self._sides[column] = other
         return self._sides[column]
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.model.build import build_model
+from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.layer_layout import unrolled
 
 KINDS = {"encoder": "encoder self", "decoder": "decoder self", "cross": "cross"}
@@ -132,7 +133,7 @@ def attention_maps(
 
 
 # The PNG grid ------------------------------------------------------------------------
-def draw_grid(maps: AttentionMaps, path: str | Path) -> Path:
+def draw_grid(maps: AttentionMaps, path) -> location.Path:
     """Every (kind, layer) a row, every head a column; pieces on the axes."""
     rows = [(kind, layer) for kind in maps.weights for layer in range(len(maps.weights[kind]))]
     heads = max(w.shape[1] for w in maps.weights.values())
@@ -161,9 +162,9 @@ def draw_grid(maps: AttentionMaps, path: str | Path) -> Path:
     title = maps.text if not maps.output else f"{maps.text}  →  {maps.output}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path = Path(path)
+    path = location.path(path, "--output")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    location.save_figure(fig, path, dpi=110)
     return path
 
 
@@ -186,7 +187,7 @@ def page_data(maps: AttentionMaps) -> dict:
 PAGE_TEMPLATE = Path(__file__).with_name("attention_page.html")
 
 
-def write_page(maps: AttentionMaps, path: str | Path) -> Path:
+def write_page(maps: AttentionMaps, path) -> location.Path:
     """The self-contained HTML viewer (:data:`PAGE_TEMPLATE`) with the maps' data inline."""
     data = json.dumps(page_data(maps), ensure_ascii=False).replace("</", "<\\/")
     title = maps.text if not maps.output else f"{maps.text} → {maps.output}"
@@ -195,9 +196,9 @@ def write_page(maps: AttentionMaps, path: str | Path) -> Path:
         .replace("__TITLE__", html.escape(title))
         .replace("__DATA__", data)
     )
-    path = Path(path)
+    path = location.path(path, "--output")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    location.write_atomic(path, page)
     return path
 
 
@@ -207,7 +208,7 @@ def main(
     output: str | None,
     target: str | None = None,
     **decode_options,
-) -> list[Path]:
+) -> list[location.Path]:
     """The ``attention`` command: PNG and HTML of the (one) sentence in ``texts``."""
     if len(texts) != 1:
         raise TranslateError(
@@ -215,7 +216,10 @@ def main(
         )
     translator = Translator.from_workdir(workdir)
     maps = attention_maps(translator, texts[0], target, **decode_options)
-    prefix = Path(output) if output else Path(workdir) / "attention" / "attention"
+    if output:
+        prefix = location.check(output, "--output")
+    else:
+        prefix = location.path(workdir) / "attention" / "attention"
     written = [
         draw_grid(maps, prefix.with_name(prefix.name + ".png")),
         write_page(maps, prefix.with_name(prefix.name + ".html")),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ import numpy as np
 from flaxformer_lite.inference.attention_maps import attention_maps
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.spec import parse_spec
+from flaxformer_lite.workdir import location
 
 STATS = ("entropy", "distance", "max_logit")
 
@@ -158,7 +158,7 @@ def _stat_order(name: str) -> tuple:
     return (STATS.index(name) if name in STATS else len(STATS), name)
 
 
-def draw(stats: dict[str, dict[str, np.ndarray]], path: Path, title: str = "") -> None:
+def draw(stats: dict[str, dict[str, np.ndarray]], path: location.Path, title: str = "") -> None:
     """One panel per statistic: modules down, heads across, the value as colour."""
     from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
@@ -181,7 +181,7 @@ def draw(stats: dict[str, dict[str, np.ndarray]], path: Path, title: str = "") -
         fig.colorbar(image, ax=ax, fraction=0.05)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    location.save_figure(fig, path, dpi=100)
 
 
 def average(per_text: list[dict[str, dict[str, np.ndarray]]], counts: list[int]):
@@ -224,11 +224,11 @@ def run_stats(
     return average(per_text, counts)
 
 
-def write_report(stats, output: Path, title: str) -> dict[str, Any]:
+def write_report(stats, output: location.Path, title: str) -> dict[str, Any]:
     """``<output>.md`` (the table), ``.json`` (the values) and ``.png`` (the figure)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_suffix(".md").write_text(f"{title}\n\n{table(stats)}\n")
+    location.write_atomic(output.with_suffix(".md"), f"{title}\n\n{table(stats)}\n")
     values = {m: {n: np.asarray(v).tolist() for n, v in by.items()} for m, by in stats.items()}
-    output.with_suffix(".json").write_text(json.dumps(values, indent=2))
+    location.write_atomic(output.with_suffix(".json"), json.dumps(values, indent=2))
     draw(stats, output.with_suffix(".png"), title)
     return values

@@ -12,7 +12,6 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from flaxformer_lite.data.packing import pad_batch
 from flaxformer_lite.data.sources import load_texts
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.inference.translate import Translator
+from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.tracker import WandbRun
 
 
@@ -113,7 +113,7 @@ def evaluate_accuracy(run: Run, split: str = "test", *, limit: int = 0) -> dict[
             rows = np.asarray([x == g for x in groups])
             by[str(g)] = float(hits[rows].sum() / counts[rows].sum())
         scores["accuracy_by_group"] = by
-    (run.workdir / f"{split}_scores.json").write_text(json.dumps(scores, indent=2))
+    location.write_atomic(run.workdir / f"{split}_scores.json", json.dumps(scores, indent=2))
     print(
         f"{d.dataset} {split} ({scores['checkpoint']}): accuracy {scores['accuracy']:.4f} "
         f"over {scores['answers']} answers"
@@ -141,7 +141,7 @@ def evaluate_workdir(
     scores with the options used); prints the scores with their signatures and
     ``num_examples`` example translations.
     """
-    workdir = Path(workdir)
+    workdir = location.path(workdir)
     run = Run.open(workdir)
     if run.task in ("recall", "classify"):
         return evaluate_accuracy(run, split, limit=limit)
@@ -165,11 +165,13 @@ def evaluate_workdir(
     )
     seconds = time.perf_counter() - start
     scores = corpus_scores(hypotheses, references)
-    with open(workdir / f"{split}_translations.tsv", "w", encoding="utf-8") as f:
-        f.write("source\treference\thypothesis\n")
-        for row in zip(sources, references, hypotheses, strict=True):
-            f.write("\t".join(x.replace("\t", " ") for x in row) + "\n")
-    (workdir / f"{split}_scores.json").write_text(
+    rows = ["source\treference\thypothesis\n"] + [
+        "\t".join(x.replace("\t", " ") for x in row) + "\n"
+        for row in zip(sources, references, hypotheses, strict=True)
+    ]
+    location.write_atomic(workdir / f"{split}_translations.tsv", "".join(rows))
+    location.write_atomic(
+        workdir / f"{split}_scores.json",
         json.dumps(
             {
                 **dataclasses.asdict(scores),
@@ -182,7 +184,7 @@ def evaluate_workdir(
                 "seconds": seconds,
             },
             indent=2,
-        )
+        ),
     )
     print(
         f"{d.dataset} {split} ({d.source_lang}->{d.target_lang}, beam {beam_size}, "

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from flaxformer_lite.config import extensions
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, PairTokenizer, Tokenizer
 from flaxformer_lite.inference.run import Run
+from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.layer_layout import unrolled
 
 MARIAN_EPSILON = 1e-5
@@ -303,7 +305,7 @@ def write_hf(
 FORMATS = ("hf", "ctranslate2", "ctranslate2-int8")
 
 
-def export_workdir(workdir: str | Path, fmt: str, out: str | Path | None) -> Path:
+def export_workdir(workdir, fmt: str, out: str | None):
     """``main export``: the parameters ``translate`` would use (averaged, else best,
     else last) written as ``fmt`` to ``out`` (default: ``workdir/export_<fmt>``):
     ``hf`` (transformers), ``ctranslate2`` (float32) or ``ctranslate2-int8``."""
@@ -318,16 +320,21 @@ def export_workdir(workdir: str | Path, fmt: str, out: str | Path | None) -> Pat
     reasons = check(c)  # before any checkpoint is read
     if reasons:
         raise ExportError("cannot export to transformers: " + "; ".join(reasons))
+    out = location.check(out, "--out") if out else run.workdir / f"export_{fmt}"
     params, kind, step = run.newest_params()
-    out = Path(out) if out else Path(workdir) / f"export_{fmt}"
     name = layout(c)[1]
-    if fmt == "hf":
-        write_hf(params, c, run.tokenizer, out)
-        what = f"transformers' {name}"
-    else:
-        quantization = fmt.partition("-")[2]
-        write_ctranslate2(params, c, run.tokenizer, out, quantization)
-        what = f"a CTranslate2 model ({quantization or 'float32'}, from {name})"
+    with tempfile.TemporaryDirectory(prefix="flaxformer-export-") as staging:
+        # the libraries write local files: a bucket's export is written here, then copied
+        folder = Path(staging) / out.name if location.is_remote(out) else Path(location.local(out))
+        if fmt == "hf":
+            write_hf(params, c, run.tokenizer, folder)
+            what = f"transformers' {name}"
+        else:
+            quantization = fmt.partition("-")[2]
+            write_ctranslate2(params, c, run.tokenizer, folder, quantization)
+            what = f"a CTranslate2 model ({quantization or 'float32'}, from {name})"
+        if location.is_remote(out):
+            location.replace_folder(location.path(str(folder)), out)
     print(f"wrote {out}: the {kind} checkpoint of step {step} as {what}")
     if c.layer_norm_epsilon != MARIAN_EPSILON:
         print(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -37,6 +36,7 @@ from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.model import partitioning
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.folder import PREFERENCE, find_params_ema, read_config
 
 
@@ -47,13 +47,13 @@ class Run:
     that says how to train when the folder holds no run.
     """
 
-    def __init__(self, workdir: str | Path, config: ExperimentConfig):
-        self.workdir = Path(workdir)
+    def __init__(self, workdir, config: ExperimentConfig):
+        self.workdir = location.path(workdir)  # local, or a bucket's (gs://)
         self.config = config
         self.model_config = config.model
 
     @classmethod
-    def open(cls, workdir: str | Path) -> Run:
+    def open(cls, workdir) -> Run:
         config = read_config(workdir)
         if config is None:
             raise ckpt_lib.CheckpointError(

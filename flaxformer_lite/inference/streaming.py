@@ -11,10 +11,10 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 from flaxformer_lite.inference import diagnostics
 from flaxformer_lite.inference.translate import TranslateError, Translator, one_line
+from flaxformer_lite.workdir import location
 
 CHUNK = 1024  # lines read, translated and written at a time (a multiple of batch sizes)
 
@@ -139,7 +139,10 @@ def diagnostics_main(workdir, texts, input_path, patterns, output, **decode_opti
     texts = [t for t in lines if t.strip()]
     translator = Translator.from_workdir(workdir)
     stats = diagnostics.run_stats(translator, texts, patterns, **decode_options)
-    output = Path(output or Path(workdir) / "diagnostics" / "attention_stats")
+    if output:
+        output = location.check(output, "--output")
+    else:
+        output = location.path(workdir) / "diagnostics" / "attention_stats"
     diagnostics.write_report(
         stats, output, f"{workdir}: attention statistics over {len(texts)} text(s)"
     )

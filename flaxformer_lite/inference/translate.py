@@ -22,7 +22,6 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -38,6 +37,7 @@ from flaxformer_lite.inference.continuous import beam_continuous, greedy_continu
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir import location
 
 LONG_INPUTS = ("truncate", "refuse")  # what translate does with a source over max_len
 
@@ -103,7 +103,7 @@ class Translator:
     @classmethod
     def from_workdir(
         cls,
-        workdir: str | Path,
+        workdir: str | location.Path,
         kind: str | None = None,
         ensemble: Sequence[str] = (),
         **kwargs,
@@ -135,7 +135,7 @@ class Translator:
             path, _, step_text = spec.rpartition("@")
             if not step_text.isdigit():
                 path, step_text = spec, ""
-            member_dir = Path(path) if path else run.workdir
+            member_dir = location.path(path, "--ensemble") if path else run.workdir
             try:
                 member = Run.open(member_dir)
             except ckpt_lib.CheckpointError:

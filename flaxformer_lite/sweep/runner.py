@@ -35,6 +35,7 @@ value that holds commas (a sparse pattern, ``data.train_splits``) goes in a JSON
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import math
 import os
@@ -45,7 +46,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -60,13 +60,14 @@ from flaxformer_lite.sweep.report import METRICS, summarize
 from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError, parse_axis
 from flaxformer_lite.training.flops import train_step_flops
 from flaxformer_lite.training.logging import summary_writer_class
+from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.folder import read_config
 
 RESULT_FILE = "sweep_result.json"  # in a run's folder: the run is finished
 RESULTS_MD = "results.md"
 
 
-def _claim_folder(sweep: Sweep, workdir: Path) -> None:
+def _claim_folder(sweep: Sweep, workdir: location.Path) -> None:
     spec_file = workdir / SPEC_FILE
     if spec_file.is_file():
         old = json.loads(spec_file.read_text())
@@ -82,13 +83,7 @@ def _claim_folder(sweep: Sweep, workdir: Path) -> None:
             "choose a new or empty folder"
         )
     workdir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(spec_file, json.dumps(sweep.to_json(), indent=2))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    location.write_atomic(spec_file, json.dumps(sweep.to_json(), indent=2))
 
 
 class SweepInterrupted(SweepError):
@@ -133,22 +128,44 @@ class _Children:
 _CHILDREN = _Children()
 
 
-def _run_logged(command: list[str], log: Path, env: dict[str, str] | None) -> int:
-    with open(log, "a") as out:
-        out.write(f"$ {shlex.join(command)}\n")
-        out.flush()
-        return _CHILDREN.run(command, out, env)
+def _run_logged(command: list[str], log: location.Path, env: dict[str, str] | None) -> int:
+    """Run ``command`` with its output appended to ``log``. A bucket's log is written to
+    a local copy while the command runs (an object cannot grow), then uploaded."""
+    local = _local_log(log)
+    try:
+        with open(local, "a") as out:
+            out.write(f"$ {shlex.join(command)}\n")
+            out.flush()
+            return _CHILDREN.run(command, out, env)
+    finally:
+        if location.is_remote(log):
+            with open(local, "rb") as f:
+                log.write_bytes(f.read())
 
 
-def _tail(log: Path, lines: int = 3) -> str:
-    text = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
-    return " | ".join(t.strip() for t in text[-lines:])
+def _local_log(log: location.Path) -> str:
+    """The local file a log is appended to: itself, or for a bucket's log a copy in this
+    machine's cache (started from the bucket's, so a resumed run's log keeps its past)."""
+    if not location.is_remote(log):
+        return location.local(log)
+    folder = location.cache_folder("logs", hashlib.sha256(str(log).encode()).hexdigest()[:24])
+    local = os.path.join(folder, log.name)
+    if not os.path.exists(local):
+        with open(local, "wb") as f:
+            f.write(log.read_bytes() if log.exists() else b"")
+    return local
+
+
+def _tail(log: location.Path, lines: int = 3) -> str:
+    local = _local_log(log) if location.is_remote(log) else location.local(log)
+    text = open(local, errors="replace").read() if os.path.isfile(local) else ""
+    return " | ".join(t.strip() for t in text.strip().splitlines()[-lines:])
 
 
 def execute(
     sweep: Sweep,
     spec: RunSpec,
-    workdir: Path,
+    workdir: location.Path,
     env: dict[str, str] | None = None,
     recorded: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -199,16 +216,17 @@ def execute(
         if key in scores:
             row[f"{sweep.split}_{key}"] = scores[key]
     row["status"] = "ok"
-    _write_atomic(done, json.dumps(row, indent=2))
+    location.write_atomic(done, json.dumps(row, indent=2))
     _hparams(workdir, sweep, spec, row)
     return row
 
 
-def measure(folder: Path, config: ExperimentConfig) -> dict[str, Any]:
+def measure(folder: location.Path, config: ExperimentConfig) -> dict[str, Any]:
     """Size, cost and the best validation metrics of a finished run's folder."""
     params = Run(folder, config).abstract_params
     d, t = config.data, config.train
-    records = [json.loads(line) for line in open(folder / "metrics.jsonl")]
+    text = (folder / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
     train = [r for r in records if r["split"] == "train"]
     valid = [r for r in records if r["split"] == "validation" and math.isfinite(r["nll"])]
     # The first window holds the compilation; the median ignores it once there are three.
@@ -231,7 +249,7 @@ def measure(folder: Path, config: ExperimentConfig) -> dict[str, Any]:
     return out
 
 
-def _hparams(workdir: Path, sweep: Sweep, spec: RunSpec, row: dict[str, Any]) -> None:
+def _hparams(workdir: location.Path, sweep: Sweep, spec: RunSpec, row: dict[str, Any]) -> None:
     """One TensorBoard HParams entry per finished run (written once, when it finishes)."""
     hparams = {a.name: _tb_value(spec.overrides[a.fields[0]]) for a in sweep.axes}
     hparams["seed"] = spec.seed
@@ -273,7 +291,7 @@ def sweep_main(
 
 
 def run_sweep(
-    sweep: Sweep, workdir: str | Path, parallel: int = 1, env: dict[str, str] | None = None
+    sweep: Sweep, workdir, parallel: int = 1, env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
     """Run (or resume) every run of ``sweep`` in ``workdir``; write the reports; return
     the rows in grid order. Raises SweepError before anything runs if the spec is bad.
@@ -282,7 +300,7 @@ def run_sweep(
     """
     if parallel < 1:
         raise SweepError(f"--parallel={parallel} must be >= 1")
-    workdir = Path(workdir)
+    workdir = location.path(workdir)
     runs = sweep.validate()
     _claim_folder(sweep, workdir)
     data = sweep.base().data
@@ -326,7 +344,7 @@ def run_sweep(
             signal.signal(signal.SIGTERM, previous)
         _CHILDREN.stopping = False
     ordered = [rows[r.folder] for r in runs]
-    _write_atomic(workdir / RESULTS_JSONL, "".join(json.dumps(r) + "\n" for r in ordered))
+    location.write_atomic(workdir / RESULTS_JSONL, "".join(json.dumps(r) + "\n" for r in ordered))
     text = summarize(sweep, ordered)
     baseline, verdicts = None, None
     if sweep.baseline:
@@ -334,12 +352,12 @@ def run_sweep(
         baseline = significance.find_baseline(points, sweep.baseline)
         section, verdicts = significance.report(ordered, baseline, sweep.split, workdir)
         text += section
-    _write_atomic(workdir / RESULTS_MD, text)
+    location.write_atomic(workdir / RESULTS_MD, text)
     significance.figure(ordered, baseline, sweep.split, workdir, verdicts)
     return ordered
 
 
-def _recorded(workdir: Path) -> dict[str, dict[str, Any]]:
+def _recorded(workdir: location.Path) -> dict[str, dict[str, Any]]:
     """The finished rows of the sweep's ``results.jsonl``, by run folder: runs it need
     not repeat even where their folders are gone (an experiment keeps its results, not
     its run folders)."""
@@ -350,7 +368,7 @@ def _recorded(workdir: Path) -> dict[str, dict[str, Any]]:
     return {r["run"]: r for r in rows if r.get("status") == "ok"}
 
 
-def _finished(workdir: Path, spec: RunSpec, recorded: dict[str, dict]) -> bool:
+def _finished(workdir: location.Path, spec: RunSpec, recorded: dict[str, dict]) -> bool:
     return (workdir / spec.folder / RESULT_FILE).is_file() or spec.folder in recorded
 
 

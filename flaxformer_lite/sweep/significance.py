@@ -21,12 +21,13 @@ band of ± one std), and the final test metric per point with ± one std error b
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
-from pathlib import Path
 from typing import Any
 
 from flaxformer_lite.sweep.spec import find_baseline
+from flaxformer_lite.workdir import location
 
 __all__ = ["compare", "figure", "find_baseline", "paired_bootstrap", "report", "t_test"]
 
@@ -38,12 +39,12 @@ def _label(row: dict[str, Any]) -> str:
     return row["run"].rpartition("/")[0]
 
 
-def _translations(folder: Path, split: str) -> tuple[list[str], list[str]] | None:
+def _translations(folder: location.Path, split: str) -> tuple[list[str], list[str]] | None:
     path = folder / f"{split}_translations.tsv"
     if not path.is_file():
         return None
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    text = io.StringIO(path.read_bytes().decode("utf-8"), newline="")
+    rows = list(csv.DictReader(text, delimiter="\t", quoting=csv.QUOTE_NONE))
     return [r["hypothesis"] for r in rows], [r["reference"] for r in rows]
 
 
@@ -73,7 +74,7 @@ def t_test(deltas: list[float]) -> float | None:
     return float(2 * stats.t.sf(abs(t), len(deltas) - 1))
 
 
-def compare(rows: list[dict[str, Any]], baseline: str, split: str, workdir: Path):
+def compare(rows: list[dict[str, Any]], baseline: str, split: str, workdir: location.Path):
     """Per point other than ``baseline``: the per-seed differences of its main metric
     (with the bootstrap's p where both runs' translations are there), their t-test, and
     the verdict. Returns (main metric key, [record per point])."""
@@ -125,7 +126,7 @@ def _mean_std(values: list[float], fmt: str) -> str:
     return f"{fmt.format(statistics.fmean(values))} ± {statistics.stdev(values):.2f}"
 
 
-def report(rows: list[dict[str, Any]], baseline: str, split: str, workdir: Path):
+def report(rows: list[dict[str, Any]], baseline: str, split: str, workdir: location.Path):
     """(the markdown section of ``results.md`` against ``baseline``, {point: significant})."""
     main, points = compare(rows, baseline, split, workdir)
     if main is None:
@@ -158,7 +159,7 @@ def report(rows: list[dict[str, Any]], baseline: str, split: str, workdir: Path)
     return "\n".join(lines) + "\n", {p["point"]: p["significant"] for p in points}
 
 
-def figure(rows: list[dict[str, Any]], baseline: str | None, split: str, workdir: Path,
+def figure(rows: list[dict[str, Any]], baseline: str | None, split: str, workdir: location.Path,
            verdicts: dict[str, bool] | None = None) -> None:  # fmt: skip
     """``results.png``: validation nll curves (mean ± std over seeds) per point, and the
     final test metric per point with ± std error bars (the baseline in black; a point
@@ -209,7 +210,5 @@ def figure(rows: list[dict[str, Any]], baseline: str | None, split: str, workdir
         final.set_xticks(range(len(points)), labels, rotation=20, fontsize=7, ha="right")
         final.set(ylabel=_name(key), title="final (mean ± std over seeds)")
     fig.tight_layout()
-    tmp = workdir / ".results.png.tmp"
-    fig.savefig(tmp, dpi=110, format="png")
+    location.save_figure(fig, workdir / "results.png", dpi=110)
     plt.close(fig)
-    tmp.replace(workdir / "results.png")

@@ -15,7 +15,6 @@ import itertools
 import json
 import sys
 import typing
-from pathlib import Path
 from typing import Any
 
 from flaxformer_lite.config.experiment import SECTIONS
@@ -231,7 +230,7 @@ class Sweep:
                 raise SweepError(f"--sweep point {shown}: {e}") from None
         return runs
 
-    def command(self, spec: RunSpec, workdir: Path) -> list[str]:
+    def command(self, spec: RunSpec, workdir) -> list[str]:
         """The ``train`` command of one run (what its ``command.txt`` says)."""
         values = {**self.overrides, **spec.overrides, "train.seed": spec.seed}
         return [

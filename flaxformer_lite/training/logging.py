@@ -8,7 +8,8 @@ import math
 import sys
 import threading
 import time
-from pathlib import Path
+
+from flaxformer_lite.workdir import location
 
 
 def _efficiency(metrics: dict[str, float]) -> str:
@@ -58,7 +59,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        workdir: str | Path,
+        workdir,
         total_steps: int,
         enabled: bool = True,
         deadline: float = math.inf,
@@ -67,11 +68,11 @@ class MetricsLogger:
         """``deadline``: a ``time.perf_counter()`` time at which training stops anyway
         (``train.max_minutes``); the ETA is then the nearer of the two ends."""
         SummaryWriter = summary_writer_class()
-        self.workdir = Path(workdir)
+        self.workdir = location.path(workdir)
         self.total_steps = total_steps
         self.deadline = deadline
         self.enabled = enabled
-        self.jsonl = open(self.workdir / "metrics.jsonl", "a") if enabled else None
+        self.jsonl = location.AppendFile(self.workdir / "metrics.jsonl") if enabled else None
         self.tb = SummaryWriter(str(self.workdir / "tensorboard")) if enabled else None
         self.start_time = time.perf_counter()
         self.start_step: int | None = None
@@ -98,7 +99,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.examples_file is None:
-            self.examples_file = open(self.workdir / "examples.jsonl", "a")
+            self.examples_file = location.AppendFile(self.workdir / "examples.jsonl")
         ids = [int(i) for i in example_ids.ravel() if i >= 0]
         self.examples_file.write(json.dumps({"step": step, "ids": ids}) + "\n")
         self.examples_file.flush()

@@ -10,27 +10,34 @@ traced are waited for before the trace stops, so their device work is in it. Pro
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+import os
+import shutil
+import tempfile
 
 import jax
 
 from flaxformer_lite.config.profile import profile_steps
+from flaxformer_lite.workdir import location
 
 
 class StepProfile:
     """Starts the trace before step START, stops it after step START + STEPS - 1."""
 
-    def __init__(self, spec: str, folder: Path, active: bool = True):
+    def __init__(self, spec: str, folder: location.Path, active: bool = True):
         span = profile_steps(spec) if active else None
         self.first, self.last = (span[0], span[0] + span[1] - 1) if span else (0, -1)
-        self.folder, self.tracing = folder, False
+        self.folder, self.tracing, self.staging = folder, False, None
 
     def step(self, step: int):
         """A context for one step: starts the trace at the first step traced, and
         annotates every traced step."""
         if step == self.first:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.folder))
+            if location.is_remote(self.folder):  # the profiler writes local files only
+                self.staging = tempfile.mkdtemp(prefix="flaxformer-profile-")
+                jax.profiler.start_trace(self.staging)
+            else:
+                os.makedirs(location.local(self.folder), exist_ok=True)
+                jax.profiler.start_trace(location.local(self.folder))
             self.tracing = True
         if not self.tracing:
             return contextlib.nullcontext()
@@ -51,3 +58,7 @@ class StepProfile:
         if self.tracing:
             self.tracing = False
             jax.profiler.stop_trace()
+            if self.staging is not None:  # a bucket's run: the trace goes there now
+                location.copy_tree(location.path(self.staging), self.folder)
+                shutil.rmtree(self.staging, ignore_errors=True)
+                self.staging = None

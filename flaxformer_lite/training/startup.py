@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -33,6 +31,7 @@ from flaxformer_lite.training import distributed, preemption
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import is_token_embedding
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.folder import read_config
 from flaxformer_lite.workdir.tracker import WandbRun
 
@@ -47,7 +46,7 @@ class TrainingError(RuntimeError):
 HOW = ("data_dir", "scan_layers", "remat", "extensions")
 
 
-def check_workdir(config, workdir: Path) -> None:
+def check_workdir(config, workdir: location.Path) -> None:
     """Writable, and holding no other model's run (a clear error, never a shape crash)."""
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +55,12 @@ def check_workdir(config, workdir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise TrainingError(
-            f"cannot write to --workdir={workdir} ({e.strerror}); choose a writable folder"
+            f"cannot write to --workdir={workdir} ({e.strerror or e}); choose a writable "
+            + (
+                "bucket, or grant this account write access to it"
+                if location.is_remote(workdir)
+                else "folder"
+            )
         ) from e
     extensions.verify(config.model.extensions, workdir)  # a changed file, named as such
     previous = read_config(workdir)
@@ -75,13 +79,13 @@ def check_workdir(config, workdir: Path) -> None:
 
 
 def stopped_before_training(
-    e: preemption.StoppedBeforeTraining, workdir: Path, created: bool
+    e: preemption.StoppedBeforeTraining, workdir: location.Path, created: bool
 ) -> dict[str, float]:
     """A stop asked for while the run started: nothing to save; a workdir this call
     created is removed, so that the same command starts afresh."""
     step = ckpt_lib.steps(workdir)[-1] if workdir.is_dir() and ckpt_lib.steps(workdir) else 0
     if created and nothing_trained(workdir):
-        shutil.rmtree(workdir, ignore_errors=True)
+        location.remove_tree(workdir)
     then = f"resumes from step {step}" if step else "starts afresh"
     print(
         f"stopped by {e}: nothing to save. The same command {then}: {preemption.resume_command()}",
@@ -102,11 +106,11 @@ def stop_if_asked(stop: preemption.Preemption, phase: str, *, agreed: bool = Fal
         raise preemption.StoppedBeforeTraining(stop.requested or "a peer's stop", phase)
 
 
-def nothing_trained(workdir: Path) -> bool:
+def nothing_trained(workdir: location.Path) -> bool:
     """No checkpoint and no logged step: the run failed before training (its logs of
     a failure later on are kept)."""
     metrics = workdir / "metrics.jsonl"
-    logged = metrics.exists() and metrics.stat().st_size > 0
+    logged = metrics.exists() and metrics.stat().length > 0
     return not logged and not ckpt_lib.steps(workdir)
 
 
@@ -126,7 +130,7 @@ def describe(config: ExperimentConfig, par: Parallel, parameters: int) -> str:
     return line
 
 
-def open_tracker(config: ExperimentConfig, workdir: Path) -> WandbRun | None:
+def open_tracker(config: ExperimentConfig, workdir: location.Path) -> WandbRun | None:
     """The run's W&B run (``train.wandb_project``; resumed by the id the workdir keeps,
     with the config), or None."""
     project = config.train.wandb_project
@@ -148,7 +152,7 @@ def parallelism(config: ExperimentConfig) -> Parallel:
     return par
 
 
-def prepare_data(config: ExperimentConfig, workdir: Path) -> assembly.TrainingData:
+def prepare_data(config: ExperimentConfig, workdir: location.Path) -> assembly.TrainingData:
     """Process 0 builds the dataset and trains the tokenizer; the others then read them."""
     data = assembly.prepare_data(config, workdir) if jax.process_index() == 0 else None
     distributed.barrier("tokenizer written")
@@ -248,7 +252,7 @@ def _read_once(where: str, stamp: int | None) -> hf_import.Imported:
     return hf_import.read_marian(where)
 
 
-def with_imported_model(config: ExperimentConfig, workdir: Path) -> ExperimentConfig:
+def with_imported_model(config: ExperimentConfig, workdir: location.Path) -> ExperimentConfig:
     """``config`` with the model fields of ``train.init_from``'s model (architecture,
     special ids, epsilon, logits bias); the config's other fields (dropout, attention
     pattern, precision, ...) stay, so every ablation runs on the imported weights. A
@@ -280,7 +284,7 @@ def with_imported_model(config: ExperimentConfig, workdir: Path) -> ExperimentCo
     return dataclasses.replace(config, model=config.model.replace(**fields), train=train)
 
 
-def write_imported_tokenizer(config: ExperimentConfig, workdir: Path) -> None:
+def write_imported_tokenizer(config: ExperimentConfig, workdir: location.Path) -> None:
     """The imported model's tokenizer as the run's (written once, atomically)."""
     if not config.train.init_from or jax.process_index() != 0:
         return
@@ -306,9 +310,7 @@ def write_imported_tokenizer(config: ExperimentConfig, workdir: Path) -> None:
                 f"{path} is not the tokenizer of {config.train.init_from}; use a new --workdir"
             )
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    location.write_atomic(path, data)
 
 
 def imported_params(config: ExperimentConfig, params):

@@ -8,9 +8,7 @@ dropout randomness) after checking that the workdir holds the same model.
 
 from __future__ import annotations
 
-import shutil
 import time
-from pathlib import Path
 
 import jax
 
@@ -36,6 +34,7 @@ from flaxformer_lite.training.state import (
 )
 from flaxformer_lite.training.steps import eval_step, sown_attention, train_step
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
+from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.folder import write_config
 from flaxformer_lite.workdir.lock import WorkdirBusyError, WorkdirLock
 
@@ -50,9 +49,7 @@ def _evaluate(p_eval, par: Parallel, state, batches) -> dict[str, float]:
     return {k: float(v) for k, v in losses.summarize(jax.device_get(total)).items()}
 
 
-def train_and_evaluate(
-    config, workdir: str | Path, *, import_only: bool = False
-) -> dict[str, float]:
+def train_and_evaluate(config, workdir, *, import_only: bool = False) -> dict[str, float]:
     """Train ``config`` in ``workdir`` (resuming if it holds a checkpoint).
 
     ``import_only`` (``main import``): build the run of ``train.init_from``'s model,
@@ -66,7 +63,7 @@ def train_and_evaluate(
     # SIGTERM / Ctrl-C from here on: before the first step, stop with nothing to save;
     # after it, finish the step, checkpoint, then stop.
     stop = preemption.Preemption().install()
-    workdir = Path(workdir)
+    workdir = location.check(workdir)  # a bad location: one line, nothing written
     created = not workdir.exists() and jax.process_index() == 0
     try:
         config = ExperimentConfig.from_config(config)  # checked before any data is read
@@ -84,7 +81,7 @@ def train_and_evaluate(
         raise TrainingError(str(e)) from None
     except BaseException:
         if created and startup.nothing_trained(workdir):  # a bad config or corpus: leave no trace
-            shutil.rmtree(workdir, ignore_errors=True)
+            location.remove_tree(workdir)
         raise
     finally:
         stop.restore()
@@ -92,7 +89,7 @@ def train_and_evaluate(
 
 def _train(
     config: ExperimentConfig,
-    workdir: Path,
+    workdir: location.Path,
     wall_start: float,
     stop: preemption.Preemption,
     import_only: bool = False,
@@ -117,7 +114,7 @@ class Trainer:
     the data position and the minutes it had spent); :meth:`run` takes the steps and
     logs, evaluates, checkpoints and stops when the recipe says."""
 
-    def __init__(self, config, workdir: Path, par: Parallel, data, wall_start: float):
+    def __init__(self, config, workdir: location.Path, par: Parallel, data, wall_start: float):
         c, t, d = config.model, config.train, config.data
         self.config, self.workdir, self.par, self.data = config, workdir, par, data
         self.is_chief = jax.process_index() == 0

@@ -9,15 +9,13 @@ what a failed read or write says: :mod:`flaxformer_lite.workdir.failures`.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from flaxformer_lite.workdir import layer_layout
+from flaxformer_lite.workdir import layer_layout, location
 from flaxformer_lite.workdir.failures import disk_error, ignore_closed_loop_reports, unreadable
 from flaxformer_lite.workdir.folder import CONFIG_FILE, CheckpointError
 
@@ -27,9 +25,14 @@ KINDS = ("last", "best", "averaged")
 _DIRS = {"last": "checkpoints", "best": "checkpoints_best", "averaged": "checkpoints_averaged"}
 
 
-def _manager(directory: Path, **options) -> ocp.CheckpointManager:
+# Where rename is not atomic (a bucket), orbax writes a step in place and marks it
+# complete with this file last.
+COMMITTED = "commit_success.txt"
+
+
+def _manager(directory, **options) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
-        directory.absolute(),
+        location.absolute(directory),
         options=ocp.CheckpointManagerOptions(
             create=True, enable_async_checkpointing=False, **options
         ),
@@ -50,27 +53,38 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
-def remove_incomplete(directory: Path) -> list[str]:
-    """Delete the folders an interrupted save left in ``directory`` (orbax writes a
-    step into ``<step>.orbax-checkpoint-tmp*`` and renames it when complete; a kill
-    in between leaves the folder, and orbax then refuses to save that step again).
-    Returns their names."""
+def remove_incomplete(directory) -> list[str]:
+    """Delete the folders an interrupted save left in ``directory`` and return their
+    names. Locally orbax writes a step into ``<step>.orbax-checkpoint-tmp*`` and
+    renames it when complete; in a bucket it writes ``<step>`` in place and adds
+    ``commit_success.txt`` last. A kill in between leaves the folder, and orbax then
+    refuses to save that step again."""
     if not directory.is_dir():
         return []
+    remote = location.is_remote(directory)
+    committed = _committed(directory) if remote else set()
     removed = []
     for entry in sorted(directory.iterdir()):
-        if ".orbax-checkpoint-tmp" in entry.name:
-            shutil.rmtree(entry, ignore_errors=True)
+        partial = ".orbax-checkpoint-tmp" in entry.name
+        if remote and entry.name.isdigit():
+            partial = entry.name not in committed
+        if partial:
+            location.remove_tree(entry)
             removed.append(entry.name)
     return removed
+
+
+def _committed(directory) -> set[str]:
+    """The step folders of ``directory`` (in a bucket) that hold orbax's commit file."""
+    return {p.parent.name for p in directory.glob(f"*/{COMMITTED}")}
 
 
 class Checkpoints:
     """The checkpoints of one workdir (for training: it clears what an interrupted
     save left behind, so that the run resumes from its newest complete step)."""
 
-    def __init__(self, workdir: str | Path, keep: int = 5, best_mode: str = "min"):
-        self.workdir = Path(workdir)
+    def __init__(self, workdir, keep: int = 5, best_mode: str = "min"):
+        self.workdir = location.path(workdir)
         if jax.process_index() == 0:
             for kind in ("last", "best"):
                 for name in remove_incomplete(self.workdir / _DIRS[kind]):
@@ -199,8 +213,8 @@ class Checkpoints:
             for step in bad_steps:
                 folder = self.workdir / _DIRS["last"] / str(step)
                 aside = folder.with_name(f"{step}.unreadable")
-                shutil.rmtree(aside, ignore_errors=True)
-                folder.rename(aside)
+                location.remove_tree(aside)
+                location.move(folder, aside)
                 print(f"warning: moved the unreadable checkpoint to {aside}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -213,23 +227,25 @@ class Checkpoints:
         self.best.close()
 
 
-def steps(workdir: str | Path, kind: str = "last") -> list[int]:
+def steps(workdir, kind: str = "last") -> list[int]:
     """The steps of the complete checkpoints of ``kind`` (last/best/averaged), sorted."""
     if kind not in KINDS:
         raise CheckpointError(f"checkpoint kind {kind!r}; choose one of {', '.join(KINDS)}")
-    directory = Path(workdir) / _DIRS[kind]
+    directory = location.path(workdir) / _DIRS[kind]
+    if location.is_remote(directory):
+        return sorted(int(name) for name in _committed(directory) if name.isdigit())
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def available(workdir: str | Path, kind: str) -> int | None:
+def available(workdir, kind: str) -> int | None:
     """The step of the newest checkpoint of ``kind`` (last/best/averaged), or None."""
     kept = steps(workdir, kind)
     return kept[-1] if kept else None
 
 
-def _pick_step(workdir: str | Path, kind: str, step: int | None) -> int:
+def _pick_step(workdir, kind: str, step: int | None) -> int:
     """``step`` if a checkpoint of ``kind`` holds it, else (None) the newest; or a clear error."""
     kept = steps(workdir, kind)
     if not kept:
@@ -246,7 +262,7 @@ def _pick_step(workdir: str | Path, kind: str, step: int | None) -> int:
         return kept[-1]
     if step not in kept:
         raise CheckpointError(
-            f"no checkpoint of step {step} in {Path(workdir) / _DIRS[kind]}; the "
+            f"no checkpoint of step {step} in {location.path(workdir) / _DIRS[kind]}; the "
             f"steps kept are {', '.join(map(str, kept))}"
         )
     return step
@@ -258,7 +274,7 @@ def _on_one_device(target):
 
 
 def restore_params(
-    workdir: str | Path, target_params: Any, kind: str = "best", step: int | None = None
+    workdir, target_params: Any, kind: str = "best", step: int | None = None
 ) -> tuple[Any, int]:
     """Parameters of a checkpoint of ``kind`` (default: its newest step), on one
     device; returns (params, step). Of a full train state only the parameters are read.
@@ -267,7 +283,7 @@ def restore_params(
     """
     step = _pick_step(workdir, kind, step)
     ignore_closed_loop_reports()
-    manager = _manager(Path(workdir) / _DIRS[kind], read_only=True)
+    manager = _manager(location.path(workdir) / _DIRS[kind], read_only=True)
     item = "params" if kind == "averaged" else "state"
 
     def read(target):
@@ -337,7 +353,7 @@ def check_shapes(tree: Any, target: Any, what: str) -> None:
             )
 
 
-def restore_state_part(workdir: str | Path, part: str, step: int | None = None) -> tuple[Any, int]:
+def restore_state_part(workdir, part: str, step: int | None = None) -> tuple[Any, int]:
     """One top-level field (``params``, ``opt_state``, ...) of a ``last`` checkpoint's
     train state, as stored (nested dicts and lists), on one device; (tree, step).
 
@@ -346,7 +362,7 @@ def restore_state_part(workdir: str | Path, part: str, step: int | None = None) 
     """
     step = _pick_step(workdir, "last", step)
     ignore_closed_loop_reports()
-    directory = (Path(workdir) / _DIRS["last"] / str(step) / "state").absolute()
+    directory = location.absolute(location.path(workdir) / _DIRS["last"] / str(step) / "state")
     try:
         stored = ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
     except Exception as e:  # unreadable metadata: truncated, deleted, foreign
@@ -357,7 +373,7 @@ def restore_state_part(workdir: str | Path, part: str, step: int | None = None) 
             f"{', '.join(sorted(stored))})"
         )
     target = {part: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored[part])}
-    manager = _manager(Path(workdir) / _DIRS["last"], read_only=True)
+    manager = _manager(location.path(workdir) / _DIRS["last"], read_only=True)
     try:
         restored = manager.restore(
             step,
@@ -374,16 +390,16 @@ def restore_state_part(workdir: str | Path, part: str, step: int | None = None) 
     return restored["state"][part], step
 
 
-def save_params(workdir: str | Path, step: int, params: Any, kind: str = "averaged") -> Path:
+def save_params(workdir, step: int, params: Any, kind: str = "averaged"):
     """Write ``params`` as the one checkpoint of ``kind`` (the averaged parameters).
 
-    Written beside the old one and swapped in when complete, so a re-run replaces
+    Written beside the old one and swapped in when complete
+    (:func:`~flaxformer_lite.workdir.location.replace_folder`), so a re-run replaces
     it, and an interrupted one leaves it intact. Returns the step's folder.
     """
-    target = Path(workdir) / _DIRS[kind]
+    target = location.path(workdir) / _DIRS[kind]
     staging = target.with_name(target.name + ".incoming")
-    replaced = target.with_name(target.name + ".replaced")
-    shutil.rmtree(staging, ignore_errors=True)
+    location.remove_tree(staging)
     manager = _manager(staging, max_to_keep=1)
     manager.save(
         step,
@@ -392,9 +408,5 @@ def save_params(workdir: str | Path, step: int, params: Any, kind: str = "averag
     )
     manager.wait_until_finished()
     manager.close()
-    shutil.rmtree(replaced, ignore_errors=True)
-    if target.exists():
-        target.rename(replaced)
-    staging.rename(target)
-    shutil.rmtree(replaced, ignore_errors=True)
+    location.replace_folder(staging, target, last=(COMMITTED,))
     return target / str(step)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 
+from flaxformer_lite.workdir import location
+
 LIMIT = 2 << 30  # bytes: the oldest entries go past it
 LOCK_ONLY = 1 << 50  # bytes: a limit no cache reaches (the lock without eviction)
 
@@ -50,14 +52,24 @@ def skip_scans_past_reach() -> None:
 
 
 def keep_compiled_programs(folder: str) -> None:
-    """XLA's compiled programs go to ``folder`` (``--compilation_cache``; '' = off),
-    unless a folder is configured already (``JAX_COMPILATION_CACHE_DIR``); either way
-    processes sharing it read no torn entry (see the module's docstring).
+    """XLA's compiled programs go to ``folder`` (``--compilation_cache``; '' = off; a
+    ``gs://`` folder too), unless a folder is configured already
+    (``JAX_COMPILATION_CACHE_DIR``); either way processes sharing it read no torn entry
+    (see the module's docstring).
 
     Without ``filelock`` (a dependency) the cache is unbounded, whatever limit was set:
     with a limit and no filelock, jax reads and writes no entry at all."""
     import jax
 
+    chosen = jax.config.jax_compilation_cache_dir or folder
+    if chosen and location.is_remote(chosen):
+        # a bucket (gs://): jax reads and writes it through etils.epath; its size limit
+        # would lock a local file named after the URL, so none is set (the bucket's
+        # lifecycle rules prune it)
+        location.check(chosen, "--compilation_cache")
+        jax.config.update("jax_compilation_cache_dir", str(location.path(chosen)))
+        jax.config.update("jax_compilation_cache_max_size", -1)
+        return
     if jax.config.jax_compilation_cache_dir:  # the user's folder: their limit, if any
         limit = LOCK_ONLY if jax.config.jax_compilation_cache_max_size == -1 else None
     elif folder:

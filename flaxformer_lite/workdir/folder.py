@@ -21,12 +21,12 @@ Training writes it (:mod:`~flaxformer_lite.workdir.checkpoints`,
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from flaxformer_lite.config import extensions
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.fields import ConfigError
+from flaxformer_lite.workdir import location
 
 CONFIG_FILE = "config.json"
 # The order in which a run's checkpoints are preferred for inference.
@@ -37,18 +37,15 @@ class CheckpointError(RuntimeError):
     """A run folder or checkpoint cannot be used; the message says why and what to do."""
 
 
-def write_config(workdir: str | Path, config_json: str) -> None:
+def write_config(workdir, config_json: str) -> None:
     """Write ``config.json`` atomically (a kill leaves the old one or the new one)."""
-    path = Path(workdir) / CONFIG_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(config_json)
-    tmp.replace(path)
+    location.write_atomic(location.path(workdir) / CONFIG_FILE, config_json)
 
 
-def read_config(workdir: str | Path) -> ExperimentConfig | None:
+def read_config(workdir) -> ExperimentConfig | None:
     """The experiment config saved in ``workdir`` (fields added since it was saved at
     their defaults), or None when the folder holds no run."""
-    path = Path(workdir) / CONFIG_FILE
+    path = location.path(workdir) / CONFIG_FILE
     if not path.exists():
         return None
     try:
@@ -56,7 +53,8 @@ def read_config(workdir: str | Path) -> ExperimentConfig | None:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); restore or delete it") from e
     try:
-        extensions.load_kept(workdir)  # the run's copies stand for the files it names
+        # the run's copies stand for the files it names
+        extensions.load_kept(path.parent, location.local_copy)
         return ExperimentConfig.from_config(values)
     except extensions.ExtensionError as e:
         raise CheckpointError(str(e)) from e

@@ -6,15 +6,17 @@ Process 0 logs every measurement it writes to ``metrics.jsonl`` (``train/...``,
 scores (``test/bleu``, ...) into the run's summary. The W&B run id is kept in
 ``<workdir>/wandb_run_id``, so a resumed run (or a later evaluation) continues the same
 W&B run. W&B's own settings apply: ``WANDB_MODE=offline`` writes the run under
-``<workdir>/wandb`` without a network (``wandb sync`` uploads it later),
-``WANDB_ENTITY`` picks the team. Without ``train.wandb_project`` nothing is imported.
+``<workdir>/wandb`` (a bucket's run: under ``~/.cache/flaxformer_lite/wandb``) without
+a network (``wandb sync`` uploads it later), ``WANDB_ENTITY`` picks the team. Without
+``train.wandb_project`` nothing is imported.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from pathlib import Path
+
+from flaxformer_lite.workdir import location
 
 RUN_ID_FILE = "wandb_run_id"
 
@@ -26,7 +28,7 @@ class TrackerError(RuntimeError):
 class WandbRun:
     """One W&B run of a workdir (opened, or resumed by the id the workdir keeps)."""
 
-    def __init__(self, workdir: str | Path, project: str, config: dict | None = None):
+    def __init__(self, workdir, project: str, config: dict | None = None):
         try:
             import wandb
         except ImportError:
@@ -34,17 +36,18 @@ class WandbRun:
                 f"config.train.wandb_project={project!r} needs Weights & Biases: pip install "
                 "'flaxformer_lite[wandb]' (or wandb), or set train.wandb_project=''"
             ) from None
-        workdir = Path(workdir)
+        workdir = location.path(workdir)
         id_file = workdir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        # W&B keeps its files in a local folder: a bucket's run keeps them in this
+        # machine's cache (the run id, in the bucket, finds the run again)
+        local = location.cache_folder("wandb", run_id) if location.is_remote(workdir) else workdir
         self.run = wandb.init(
-            project=project, id=run_id, resume="allow", dir=str(workdir), config=config,
+            project=project, id=run_id, resume="allow", dir=str(local), config=config,
             name=workdir.name,
         )  # fmt: skip
         if not id_file.exists():
-            tmp = id_file.with_suffix(".tmp")
-            tmp.write_text(run_id)
-            tmp.replace(id_file)
+            location.write_atomic(id_file, run_id)
 
     def log(self, step: int, metrics: dict[str, float], prefix: str) -> None:
         values = {
