@@ -44,6 +44,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# What a bucket's run copies to the machine (a tokenizer, a data folder, a corpus:
+# workdir/location.py) goes to a folder of the session's, not the user's ~/.cache.
+if "FLAXFORMER_CACHE" not in os.environ:
+    _local = tempfile.mkdtemp(prefix="flaxformer-test-cache-")
+    atexit.register(shutil.rmtree, _local, ignore_errors=True)
+    os.environ["FLAXFORMER_CACHE"] = _local
 # Searches stored as executables (inference/programs.py) are compiled anew, not taken
 # from that shared cache, and keyed on the modules a process imported (the tests'
 # differ from worker to worker): in the suite they would cost compiles and rarely

@@ -210,3 +210,31 @@ def test_files_and_folders_in_a_bucket(gcs):
     assert location.local_copy(root / "target/sub/x.txt") != location.local_copy(
         root / "target/done.txt"
     )
+
+
+def test_a_corpus_and_a_data_folder_in_a_bucket(gcs, monkeypatch, tmp_path, capsys):
+    """``files:gs://...`` is read through a local copy; a data folder in the bucket
+    receives the build, and a machine with an empty cache takes it from there instead of
+    building again; a bad bucket in either field is one line."""
+    from flaxformer_lite.data import files, sources
+
+    corpus, data_dir = _bucket_path("corpus"), _bucket_path("tfds")
+    location.write_atomic(corpus / "train.en", "".join(f"a house {i}\n" for i in range(300)))
+    location.write_atomic(corpus / "train.de", "".join(f"ein Haus {i}\n" for i in range(300)))
+    dataset = f"files:{corpus}"
+    monkeypatch.setenv("FLAXFORMER_CACHE", str(tmp_path / "first"))
+    texts = sources.load_texts(dataset, "train", ("en", "de"), str(data_dir))
+    assert "files: building" in capsys.readouterr().out
+    assert len(texts) == 240 and texts[0] == ("a house 0", "ein Haus 0")  # 60 carved off
+    folders = [p.name for p in (data_dir / "local_files").iterdir()]
+    assert len(folders) == 1 and folders[0].startswith("fp")
+    monkeypatch.setenv("FLAXFORMER_CACHE", str(tmp_path / "fresh"))  # another machine
+    assert sources.load_texts(dataset, "train", ("en", "de"), str(data_dir)) == texts
+    assert "files: building" not in capsys.readouterr().out  # fetched, not built
+    location.write_atomic(corpus / "train.de", "ein Haus\n")  # the files changed
+    with pytest.raises(files.CorpusError, match=f"{corpus}/train.de has 1 lines"):
+        files.build(dataset, ("en", "de"), str(data_dir))
+    with pytest.raises(location.StorageError, match="data.data_dir=gs://nowhere/tfds: the"):
+        sources.load_texts(dataset, "train", ("en", "de"), "gs://nowhere/tfds")
+    with pytest.raises(files.CorpusError, match="is named --config.data.dataset=files:gs://"):
+        sources.load_texts(str(corpus), "train", ("en", "de"), str(data_dir))

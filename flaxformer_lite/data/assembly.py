@@ -24,7 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from flaxformer_lite.config.experiment import TEXT_TASKS, ExperimentConfig
-from flaxformer_lite.data import cooccurrence, files, pipeline, sources, synthetic, token_store
+from flaxformer_lite.data import (
+    cooccurrence,
+    files,
+    pipeline,
+    shared,
+    sources,
+    synthetic,
+    token_store,
+)
 from flaxformer_lite.data.table import ExampleTable
 from flaxformer_lite.data.token_store import Store, View
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer, load_or_train
@@ -149,10 +157,13 @@ def split_store(
     identity = sources.identity(source, selection.name)
     tokenizer_sha = token_store.file_sha256(tokenizer.path)
     key = token_store.cache_key(identity, selection.name, d.features, view, tokenizer_sha)
-    root = Path(d.data_dir) / token_store.CACHE_DIR / identity["name"].replace("/", "_")
-    return token_store.cached_store(
+    root = Path(shared.local_root(d.data_dir)) / token_store.CACHE_DIR
+    root = root / identity["name"].replace("/", "_")
+    name = f"{selection.name}-{key[:16]}"
+    shared.fetch(d.data_dir, str(root / name), token_store.META)  # a bucket's cache
+    store = token_store.cached_store(
         root,
-        f"{selection.name}-{key[:16]}",
+        name,
         key,
         rows=rows,
         count=count,
@@ -163,6 +174,8 @@ def split_store(
         describe={"dataset": d.dataset, "split": selection.name, "features": list(d.features)},
         workers=os.cpu_count() or 1,
     )
+    shared.publish(d.data_dir, str(root / name), token_store.META)
+    return store
 
 
 KEYS = {1: ("targets",), 2: ("inputs", "targets")}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import corpora, progress, tfds_spill
+from flaxformer_lite.data import corpora, progress, shared, tfds_spill
 from flaxformer_lite.data.prepare import PACKAGES, locate_dataset
 
 _INSTRUCTIONS = "Run `make prepare` (python -m flaxformer_lite.data.prepare) first."
@@ -125,9 +125,14 @@ def build_local_dataset(
     raw_dir: str | Path | None = None,
     sources: dict | None = None,
 ) -> tfds.core.DatasetBuilder:
-    """Prepare (fetch raw files if needed) and write a local dataset as array_record."""
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    """Prepare (fetch raw files if needed) and write a local dataset as array_record;
+    with ``data_dir`` in a bucket, in its local copy, taken from or given to the bucket
+    (:mod:`~flaxformer_lite.data.shared`)."""
+    shared_dir = data_dir if data_dir is not None else default_data_dir()
+    data_dir = Path(shared.local_root(shared_dir))
     builder = LOCAL_BUILDERS[name](data_dir=str(data_dir), file_format="array_record")
+    if not builder.is_prepared() and shared.fetch(shared_dir, builder.data_dir):
+        builder = LOCAL_BUILDERS[name](data_dir=str(data_dir), file_format="array_record")
     if not builder.is_prepared():
         paths = locate_dataset(name, raw_dir, sources)
         # TFDS reads from one manual_dir: link each located package into it.
@@ -143,4 +148,5 @@ def build_local_dataset(
             builder.download_and_prepare(
                 download_config=tfds.download.DownloadConfig(manual_dir=str(manual))
             )
+    shared.publish(shared_dir, builder.data_dir)
     return builder

@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import progress, tfds_spill
+from flaxformer_lite.data import progress, shared, tfds_spill
+from flaxformer_lite.workdir import location
 
 PREFIX = "files:"
 SPLITS = {"train": ("train",), "validation": ("validation", "valid", "dev"), "test": ("test",)}
@@ -57,6 +58,11 @@ def is_files(dataset: str) -> bool:
 def check_not_a_bare_path(dataset: str) -> None:
     """A file or folder given as ``data.dataset`` without ``files:`` (the first thing a
     user types) is named with the fix, instead of reaching TFDS as a builder name."""
+    if "://" in dataset:
+        raise CorpusError(
+            f"data.dataset={dataset}: a corpus of your own files (in a bucket too) is named "
+            f"--config.data.dataset=files:{dataset}"
+        )
     path = Path(dataset).expanduser()
     looks_like_path = dataset.startswith(("/", "./", "../", "~")) or dataset in (".", "..")
     if path.exists():
@@ -133,7 +139,12 @@ _TOLD: set = set()  # the TSV files whose columns were printed in this process
 
 def discover(path: str | Path, features: Sequence[str]) -> dict[str, Source]:
     """The splits the files at ``path`` give, for ``features`` (the source and target
-    languages, or the one language of a language model)."""
+    languages, or the one language of a language model); a corpus in a bucket
+    (``gs://``) is read from its copy in this machine's cache, its messages naming the
+    bucket's files."""
+    if location.is_remote(path):
+        with shared.corpus_copy(str(path), CorpusError) as copy:
+            return discover(copy, features)
     path = Path(path)
     if not path.exists():
         raise CorpusError(f"data.dataset=files:{path}: no such file or folder")
@@ -374,16 +385,26 @@ def corpus_fingerprint(dataset: str, features: Sequence[str]) -> str:
     return fingerprint(discover(dataset[len(PREFIX) :], features))
 
 
-def build(dataset: str, features: Sequence[str], data_dir: str | Path) -> tfds.core.DatasetBuilder:
-    """The prepared builder of ``files:PATH`` for ``features`` (built if the content is new)."""
-    splits = discover(dataset[len(PREFIX) :], features)
+def build(
+    dataset: str, features: Sequence[str], data_dir: str | Path, shown: str = ""
+) -> tfds.core.DatasetBuilder:
+    """The prepared builder of ``files:PATH`` for ``features`` (built if the content is new;
+    ``shown``: the name to print, where PATH is a bucket's corpus's local copy)."""
+    path = dataset[len(PREFIX) :]
+    if location.is_remote(path):  # read from the local copy, its errors named as the bucket's
+        with shared.corpus_copy(path, CorpusError) as copy:
+            return build(PREFIX + copy, features, data_dir, shown=dataset)
+    splits = discover(path, features)
     name = "fp" + fingerprint(splits)[:16]
     config = FilesConfig(
         name=name,
         features=tuple(features),
         splits_json=json.dumps({k: dataclasses.asdict(v) for k, v in splits.items()}),
     )
+    shared_dir, data_dir = data_dir, shared.local_root(data_dir)  # a bucket's: its copy
     builder = LocalFiles(config=config, data_dir=str(data_dir), file_format="array_record")
+    if not builder.is_prepared() and shared.fetch(shared_dir, builder.data_dir):
+        builder = LocalFiles(config=config, data_dir=str(data_dir), file_format="array_record")
     if not builder.is_prepared():
         try:
             Path(data_dir).mkdir(parents=True, exist_ok=True)
@@ -392,7 +413,7 @@ def build(dataset: str, features: Sequence[str], data_dir: str | Path) -> tfds.c
                 f"cannot write data.data_dir={data_dir} ({e.strerror}); choose a writable "
                 "folder for the built corpus"
             ) from None
-        print(f"files: building {dataset} ({', '.join(splits)}) into {builder.data_dir}")
+        print(f"files: building {shown or dataset} ({', '.join(splits)}) into {builder.data_dir}")
         started = time.perf_counter()
         tfds_spill.install()  # past 1 GB TFDS spills through TensorFlow otherwise
         try:
@@ -404,6 +425,7 @@ def build(dataset: str, features: Sequence[str], data_dir: str | Path) -> tfds.c
             shutil.rmtree(Path(data_dir) / "local_files" / name, ignore_errors=True)
             raise
         print(f"files: built in {time.perf_counter() - started:.0f} s", flush=True)
+    shared.publish(shared_dir, builder.data_dir)
     return builder
 
 

@@ -19,25 +19,27 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import builders, files, progress, tfds_spill
+from flaxformer_lite.data import builders, files, progress, shared, tfds_spill
 
 
 def open_split(dataset: str, split: str, features: Sequence[str], data_dir: str | Path):
     """The ``tfds.data_source`` of one split (built first for a local corpus), checked:
     not empty, and holding the given text features."""
+    root = shared.local_root(data_dir)  # a bucket's data folder: its copy here
     if files.is_files(dataset):  # a user's own text files
         source = files.data_source(dataset, split, features, data_dir)
     elif dataset in builders.LOCAL_BUILDERS:
         builders.build_local_dataset(dataset, data_dir)
-        source = tfds.data_source(dataset, split=split, data_dir=str(data_dir))
+        source = tfds.data_source(dataset, split=split, data_dir=root)
     else:  # any TFDS name, e.g. wmt14_translate/de-en (downloads on first use)
         files.check_not_a_bare_path(dataset)
         tfds_spill.install()  # wmt14 is past the 1 GB TFDS spills through TensorFlow
         try:
+            folder = tfds.builder(dataset, data_dir=root).data_dir
+            shared.fetch(data_dir, folder)
             with progress.where_seen():
-                source = tfds.data_source(
-                    dataset, split=split, data_dir=str(data_dir), download=True
-                )
+                source = tfds.data_source(dataset, split=split, data_dir=root, download=True)
+            shared.publish(data_dir, folder)
         except tfds.core.registered.DatasetNotFoundError:
             raise ValueError(
                 f"data.dataset={dataset!r} is neither a local corpus "

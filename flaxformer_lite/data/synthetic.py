@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import progress
+from flaxformer_lite.data import progress, shared
 
 FILL, FIRST = 3, 4  # the filler token; the first of a task's symbols
 KEYS = VALUES = 128  # recall tasks: key and value symbols
@@ -292,11 +292,16 @@ def builder(dataset: str, data_dir: str) -> tfds.core.DatasetBuilder:
 
 
 def build(dataset: str, data_dir: str) -> tfds.core.DatasetBuilder:
-    """The builder of ``task/config``, its splits written if they were not."""
-    b = builder(dataset, data_dir)
+    """The builder of ``task/config``, its splits written if they were not (with
+    ``data_dir`` in a bucket: in its local copy, taken from or given to the bucket)."""
+    root = shared.local_root(data_dir)
+    b = builder(dataset, root)
+    if not b.is_prepared() and shared.fetch(data_dir, b.data_dir):
+        b = builder(dataset, root)
     if not b.is_prepared():
         with progress.where_seen():
             b.download_and_prepare()
+    shared.publish(data_dir, b.data_dir)
     return b
 
 

@@ -47,9 +47,24 @@ def summary_writer_class():
             finally:
                 if sys.modules.get("torch", 0) is None:
                     del sys.modules["torch"]
-    from tensorboardX import SummaryWriter
+    from tensorboardX import SummaryWriter, record_writer
 
+    for scheme in location.REMOTE:  # event files in a bucket: through our layer
+        record_writer.register_writer_factory(scheme, _BucketEventFiles())
     return SummaryWriter
+
+
+class _BucketEventFiles:
+    """tensorboardX's writer factory for a bucket's event files: each an
+    :class:`~flaxformer_lite.workdir.location.AppendFile` (uploaded whole, beside the
+    steps). tensorboardX's own GCS writer uploads in the step and again when collected,
+    after its close."""
+
+    def open(self, path: str) -> location.AppendFile:
+        return location.AppendFile(location.path(path), binary=True)
+
+    def directory_check(self, path: str) -> None:
+        """A bucket needs no folder made first."""
 
 
 class MetricsLogger:
@@ -103,6 +118,13 @@ class MetricsLogger:
         ids = [int(i) for i in example_ids.ravel() if i >= 0]
         self.examples_file.write(json.dumps({"step": step, "ids": ids}) + "\n")
         self.examples_file.flush()
+
+    def settle(self) -> None:
+        """Wait until the logs written so far are stored (a bucket's upload them beside
+        the steps): before a checkpoint, so that a run's logs reach as far as it."""
+        for log in (self.jsonl, self.examples_file):
+            if log is not None:
+                log.wait()
 
     def progress(self, step: int, metrics: dict[str, float], outlook: str = "") -> None:
         """``step 120/3000 [###.......] loss 4.31 acc 0.31 12.3k tok/s ETA 9:41``, then

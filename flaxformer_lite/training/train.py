@@ -333,6 +333,7 @@ class Trainer:
             "iterator": distributed.merged_data_state(self.iterator.get_state()),
             "train_minutes": self.clock.minutes(),
         }
+        self.logger.settle()  # the logs as far as the checkpoint, before it
         self.checkpoints.save(step, self.par.unreplicate(self.state), data_state)
 
     def _peer_lost(self, e: Exception, step: int) -> distributed.PeerLostError:

@@ -30,11 +30,11 @@ _DIRS = {"last": "checkpoints", "best": "checkpoints_best", "averaged": "checkpo
 COMMITTED = "commit_success.txt"
 
 
-def _manager(directory, **options) -> ocp.CheckpointManager:
+def _manager(directory, asynchronous: bool = False, **options) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
         location.absolute(directory),
         options=ocp.CheckpointManagerOptions(
-            create=True, enable_async_checkpointing=False, **options
+            create=True, enable_async_checkpointing=asynchronous, **options
         ),
     )
 
@@ -81,10 +81,21 @@ def _committed(directory) -> set[str]:
 
 class Checkpoints:
     """The checkpoints of one workdir (for training: it clears what an interrupted
-    save left behind, so that the run resumes from its newest complete step)."""
+    save left behind, so that the run resumes from its newest complete step).
 
-    def __init__(self, workdir, keep: int = 5, best_mode: str = "min"):
+    ``asynchronous`` (default: for a bucket): a save copies the state to host memory
+    and returns; the upload goes on beside the next steps (orbax's async save), the
+    next save or :meth:`close` waits for it. A local save is a disk write of a
+    fraction of a second, kept synchronous so that its errors name their own step."""
+
+    def __init__(
+        self, workdir, keep: int = 5, best_mode: str = "min", asynchronous: bool | None = None
+    ):
         self.workdir = location.path(workdir)
+        if asynchronous is None:
+            asynchronous = location.is_remote(self.workdir)
+        self.asynchronous = asynchronous
+        self.pending = 0  # the step of the newest save (still uploading, if asynchronous)
         if jax.process_index() == 0:
             for kind in ("last", "best"):
                 for name in remove_incomplete(self.workdir / _DIRS[kind]):
@@ -96,9 +107,10 @@ class Checkpoints:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("incomplete checkpoints removed")
-        self.last = _manager(self.workdir / _DIRS["last"], max_to_keep=keep)
+        self.last = _manager(self.workdir / _DIRS["last"], asynchronous, max_to_keep=keep)
         self.best = _manager(
             self.workdir / _DIRS["best"],
+            asynchronous,
             max_to_keep=1,
             best_fn=lambda metrics: metrics["value"],
             best_mode=best_mode,
@@ -117,7 +129,9 @@ class Checkpoints:
                 ),
                 force=True,
             )
-            self.last.wait_until_finished()
+            if not self.asynchronous:
+                self.last.wait_until_finished()
+            self.pending = step
 
     @contextlib.contextmanager
     def _writing(self, kind: str, step: int):
@@ -151,6 +165,7 @@ class Checkpoints:
         A best checkpoint of the same step (written before an interruption, then
         computed again after the resume) is replaced."""
         with self._writing("best", step):
+            self.best.wait_until_finished()  # the previous best's upload, if any
             if step in self.best.all_steps():
                 self.best.delete(step)
             self.best.save(
@@ -159,7 +174,8 @@ class Checkpoints:
                 metrics={"value": float(value)},
                 force=True,
             )
-            self.best.wait_until_finished()
+            if not self.asynchronous:
+                self.best.wait_until_finished()
         return self.best.best_step() == step
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -223,8 +239,10 @@ class Checkpoints:
         self.last.reload()
 
     def close(self) -> None:
-        self.last.close()
-        self.best.close()
+        """Wait for the saves still uploading, then release orbax's resources."""
+        with self._writing("last", self.pending):
+            self.last.close()
+            self.best.close()
 
 
 def steps(workdir, kind: str = "last") -> list[int]:

@@ -48,7 +48,6 @@ REMOTE = ("gs",)  # schemes a run folder may use
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)(.*)$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 TRIES = 3  # reaching the server: tries before an unreachable endpoint is reported
-CACHE = os.path.expanduser(os.environ.get("FLAXFORMER_CACHE", "~/.cache/flaxformer_lite"))
 
 
 class StorageError(OSError):
@@ -320,7 +319,10 @@ def copy_tree(source: epath.Path, dest: epath.Path, last: tuple[str, ...] = ()) 
             (deferred if name in last else files).append((relative, name))
     for relative, name in files + deferred:
         within = name if relative == "." else f"{relative}/{name}"
-        (dest / within).write_bytes((source / within).read_bytes())
+        target = dest / within
+        if not is_remote(target):  # a bucket has no folders to make
+            target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((source / within).read_bytes())
 
 
 def _bare(p) -> str:
@@ -330,41 +332,100 @@ def _bare(p) -> str:
 
 
 class AppendFile:
-    """A log file written a line at a time (``metrics.jsonl``): locally appended; in a
-    bucket, where an object cannot grow, kept whole here and uploaded on each
-    :meth:`flush` (its earlier content read once, at opening)."""
+    """A log written a piece at a time (``metrics.jsonl``, TensorBoard's event files).
 
-    def __init__(self, target: epath.Path):
-        self.target = target
+    Locally appended and flushed. In a bucket, where an object cannot grow, the whole
+    content is kept here (its earlier content read once, at opening) and uploaded by a
+    thread of its own after each :meth:`flush`, the newest content only, so that a
+    training step never waits for the network; :meth:`wait` blocks until what was
+    flushed is there (training calls it before each checkpoint, so a bucket's logs
+    reach at least as far as its newest checkpoint), :meth:`close` until the end is.
+    """
+
+    def __init__(self, target: epath.Path, binary: bool = False):
+        self.target, self.binary = target, binary
         self.remote = is_remote(target)
-        if self.remote:
-            self.buffer = io.StringIO()
-            if target.exists():
-                self.buffer.write(target.read_text())
-            self.file = None
-        else:
-            self.file = open(local(target), "a")  # noqa: SIM115 (closed by close())
+        self.closed = False
+        if not self.remote:
+            self.file = open(local(target), "ab" if binary else "a")  # noqa: SIM115
+            return
+        self.data = bytearray(target.read_bytes() if target.exists() else b"")
+        self.flushed = self.uploaded = 0  # versions: asked for, and in the bucket
+        self.error: BaseException | None = None
+        self.changed = threading.Condition()
+        self.thread: threading.Thread | None = None
 
-    def write(self, text: str) -> None:
-        (self.buffer if self.remote else self.file).write(text)
+    def write(self, data: str | bytes) -> None:
+        if not self.remote:
+            self.file.write(data)
+            return
+        with self.changed:
+            self.data += data if isinstance(data, bytes) else data.encode()
 
     def flush(self) -> None:
-        if self.remote:
-            self.target.write_text(self.buffer.getvalue())
-        else:
+        if not self.remote:
             self.file.flush()
+            return
+        with self.changed:
+            if self.closed:
+                return
+            self.flushed += 1
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._upload, daemon=True,
+                                               name=f"upload {self.target.name}")  # fmt: skip
+                self.thread.start()
+            self.changed.notify_all()
+
+    def wait(self) -> None:
+        """Block until everything flushed so far is in the bucket (or raise its error)."""
+        if not self.remote:
+            return
+        with self.changed:
+            while self.uploaded < self.flushed and self.error is None:
+                self.changed.wait()
+            if self.error is not None:
+                raise self.error
 
     def close(self) -> None:
-        if self.remote:
-            self.flush()
-        else:
-            self.file.close()
+        if not self.remote:
+            if not self.file.closed:
+                self.file.close()
+            return
+        if self.closed:
+            return
+        self.flush()
+        try:
+            self.wait()
+        finally:
+            with self.changed:
+                self.closed = True
+                self.changed.notify_all()
+
+    def _upload(self) -> None:
+        while True:
+            with self.changed:
+                while self.uploaded >= self.flushed and not self.closed:
+                    self.changed.wait()
+                if self.uploaded >= self.flushed:
+                    return  # closed, nothing left
+                version, data = self.flushed, bytes(self.data)
+            try:
+                self.target.write_bytes(data)
+            except BaseException as e:  # reported by wait()/close(); the thread ends
+                with self.changed:
+                    self.error = e
+                    self.changed.notify_all()
+                return
+            with self.changed:
+                self.uploaded = version
+                self.changed.notify_all()
 
 
 def cache_folder(*parts: str) -> str:
     """A folder under this machine's cache (``~/.cache/flaxformer_lite``, or
     ``FLAXFORMER_CACHE``), created."""
-    folder = os.path.join(CACHE, *parts)
+    cache = os.environ.get("FLAXFORMER_CACHE", "~/.cache/flaxformer_lite")
+    folder = os.path.join(os.path.expanduser(cache), *parts)
     os.makedirs(folder, exist_ok=True)
     return folder
 
