@@ -238,3 +238,162 @@ def test_a_corpus_and_a_data_folder_in_a_bucket(gcs, monkeypatch, tmp_path, caps
         sources.load_texts(dataset, "train", ("en", "de"), "gs://nowhere/tfds")
     with pytest.raises(files.CorpusError, match="is named --config.data.dataset=files:gs://"):
         sources.load_texts(str(corpus), "train", ("en", "de"), str(data_dir))
+
+
+def _objects(folder) -> set[str]:
+    """The names of the files under ``folder`` (a bucket's), relative to it."""
+    names = set()
+    for root, _, files in folder.walk():
+        relative = os.path.relpath(location._bare(root), location._bare(folder))
+        names |= {name if relative == "." else f"{relative}/{name}" for name in files}
+    return names
+
+
+@pytest.mark.slow
+def test_every_command_on_a_bucket(gcs, fixture_data, tmp_path):
+    """Each command a user runs on a run folder, with the folder (and a sweep's) in the
+    bucket: what each writes lands there, and nothing in a local ``gs:`` folder."""
+    run = _bucket_path("every")
+    env = fixtures.debug_env(fixture_data)
+    subprocess.run(fixtures.debug_command(fixture_data, run, 4, 2), cwd=ROOT, env=env,
+                   check=True, capture_output=True)  # fmt: skip
+    _cli(fixture_data, "average", f"--workdir={run}", "--num=2", "--window=1")
+    assert ckpt_lib.steps(run, "averaged") == [4]
+    out = _cli(fixture_data, "translate", f"--workdir={run}", "--ensemble=@2", "Komm her!")
+    assert out.stdout.count("\n") == 1
+    _cli(fixture_data, "attention", f"--workdir={run}", "Komm her!")
+    _cli(fixture_data, "diagnostics", f"--workdir={run}", "--pattern=local:window=2", "Komm her!")
+    _cli(fixture_data, "export", f"--workdir={run}")
+    _cli(fixture_data, "export", f"--workdir={run}", f"--out={tmp_path / 'hf'}")
+    _cli(fixture_data, "export", f"--workdir={run}", f"--out={run}-hf")
+    names = _objects(run)
+    for name in ("checkpoints_averaged/4/commit_success.txt", "attention/attention.png",
+                 "attention/attention.html", "diagnostics/attention_stats.md",
+                 "diagnostics/attention_stats.png", "export_hf/model.safetensors",
+                 "export_hf/vocab.json"):  # fmt: skip
+        assert name in names, name
+    local = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert local == sorted(name for name in _objects(location.path(f"{run}-hf")))
+    assert "model.safetensors" in local
+    # A language model: trained in the bucket, continued with `generate`.
+    lm = _bucket_path("lm")
+    _cli(fixture_data, f"--config={ROOT / 'configs/lm_small.py'}:debug", f"--workdir={lm}",
+         f"--config.data.data_dir={fixture_data[1]}", "--config.data.dataset=ding_de_en",
+         "--config.model.vocab_size=80", "--config.model.max_len=32",
+         "--config.train.num_steps=2")  # fmt: skip
+    out = _cli(fixture_data, "generate", f"--workdir={lm}", "--max_new_tokens=3", "This is")
+    assert out.stdout.count("\n") == 1
+    # A sweep whose folder and runs are in the bucket, scored and tabulated there.
+    sweep = _bucket_path("sweep")
+    _cli(fixture_data, "sweep", f"--config={ROOT / 'configs/ende_small.py'}:debug",
+         f"--workdir={sweep}", "--sweep=model.num_heads=1,2", "--seeds=1", "--limit=4",
+         "--beam_size=1", f"--config.data.data_dir={fixture_data[1]}",
+         "--config.model.vocab_size=100", "--config.train.num_steps=2")  # fmt: skip
+    names = _objects(sweep)
+    assert {"results.jsonl", "results.md", "results.png", "sweep.json"} <= names
+    for point in ("num_heads=1", "num_heads=2"):
+        for name in ("train.log", "evaluate.log", "command.txt", "test_scores.json",
+                     "sweep_result.json", "metrics.jsonl"):  # fmt: skip
+            assert f"{point}/seed0/{name}" in names, (point, name)
+    rows = [json.loads(x) for x in (sweep / "results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    _no_local_gs_folder(ROOT, tmp_path)
+
+
+@pytest.mark.slow
+def test_import_into_a_bucket(gcs, fixture_data, tmp_path):
+    """``main import`` of a Marian model writes its run (step 0, tokenizer, config) in
+    the bucket, and the run translates from there."""
+    pytest.importorskip("transformers")
+    from tests.test_hf_import import opus_like
+
+    folder = tmp_path / "opus-mt-de-en"
+    opus_like(folder)
+    run = _bucket_path("imported")
+    _cli(fixture_data, "import", f"--config={ROOT / 'configs/ende_small.py'}:debug",
+         f"--workdir={run}", f"--config.data.data_dir={fixture_data[1]}",
+         f"--config.train.init_from=hf:{folder}", "--config.data.aux_tag=")  # fmt: skip
+    assert ckpt_lib.steps(run) == [0] and (run / "tokenizer.model").exists()
+    out = _cli(fixture_data, "translate", f"--workdir={run}", "das haus ist groß")
+    assert out.stdout.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_killed_in_a_save_resumes_bit_exact_from_nothing_but_the_bucket(
+    gcs, fixture_data, tmp_path
+):
+    """SIGKILL while orbax uploads a checkpoint (its step folder there, no commit file
+    yet); the resume runs on a "fresh machine": another working folder, an empty home,
+    machine cache and compilation cache, so the run's files come from the bucket alone.
+    It ends as an uninterrupted local run does: the same losses and examples at every
+    step, bit-identical parameters."""
+    steps = 12
+    straight = tmp_path / "straight"
+    env = fixtures.debug_env(fixture_data)
+    subprocess.run(fixtures.debug_command(fixture_data, straight, steps), cwd=ROOT, env=env,
+                   check=True, capture_output=True)  # fmt: skip
+    run = _bucket_path("killed-in-save")
+    folder = run / "checkpoints"
+
+    def uploading() -> bool:  # a step folder in the bucket without orbax's commit file
+        try:
+            names = _objects(folder)
+        except FileNotFoundError:
+            return False
+        steps_seen = {n.split("/")[0] for n in names if n.split("/")[0].isdigit()}
+        return any(f"{s}/{ckpt_lib.COMMITTED}" not in names for s in steps_seen)
+
+    _kill_when(fixtures.debug_command(fixture_data, run, steps), env, uploading, "an upload")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    env = fixtures.debug_env(fixture_data, HOME=str(fresh), FLAXFORMER_CACHE=str(fresh / "c"),
+                             JAX_COMPILATION_CACHE_DIR=str(fresh / "xla"))  # fmt: skip
+    out = subprocess.run(fixtures.debug_command(fixture_data, run, steps), cwd=fresh, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "an incomplete checkpoint of an interrupted save" in out.stdout
+    assert "took over" in out.stdout
+    assert fixtures.train_losses(run) == fixtures.train_losses(straight)
+    assert fixtures.step_examples(run) == fixtures.step_examples(straight)
+    from flaxformer_lite.training.state import abstract_train_state
+
+    target = abstract_train_state(fixtures.debug_config(fixture_data[1])).params
+    fixtures.assert_same_params(
+        ckpt_lib.restore_params(straight, target, "last", steps)[0],
+        ckpt_lib.restore_params(run, target, "last", steps)[0],
+    )
+    _no_local_gs_folder(ROOT, fresh)
+
+
+@pytest.mark.slow
+def test_two_processes_write_one_run_to_the_bucket(gcs, fixture_data):
+    """2 processes x 4 devices train a run in the bucket: one checkpoint per step (both
+    processes' shards in it), one log line per step, the lock released."""
+    from tests.test_multiprocess import _finish, _launch
+
+    run = _bucket_path("two")
+    _finish(_launch(fixture_data, run, 3))
+    assert ckpt_lib.steps(run) == [3]
+    state = {n.split("/")[0] for n in _objects(run / "checkpoints/3/state")}
+    assert {"ocdbt.process_0", "ocdbt.process_1", "manifest.ocdbt"} <= state
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in lines if r["split"] == "train") == [1, 2, 3]
+    assert not (run / lock.LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_the_tpu_command_of_the_scaling_guide_runs_on_the_local_server(gcs, fixture_data):
+    """docs/scaling.md's TPU command, as written but for --distributed (one machine) and
+    what makes it a CPU-sized run (:debug, two steps, the fixture corpus)."""
+    text = (ROOT / "docs/scaling.md").read_text()
+    block = text[text.index("# TPU VM slice") :].split("# One GPU node")[0]
+    command = block[block.index(".venv/bin/python -m flaxformer_lite.main") :]
+    args = command.replace("\\\n", " ").replace('"', " ").split()[3:]
+    bucket = location.path(f"gs://{BUCKET}").name
+    args = [a.replace("$BUCKET", f"{bucket}/tpu-{time.monotonic_ns()}") for a in args]
+    assert "--distributed" in args and any(a.startswith("--workdir=gs://") for a in args)
+    args = [a + ":debug" if a.startswith("--config=") else a for a in args if a != "--distributed"]
+    _cli(fixture_data, *args, f"--config.data.data_dir={fixture_data[1]}",
+         "--config.model.vocab_size=100", "--config.train.num_steps=2")  # fmt: skip
+    workdir = location.path(next(a for a in args if a.startswith("--workdir=")).split("=", 1)[1])
+    assert ckpt_lib.steps(workdir) == [2]

@@ -31,11 +31,16 @@ COMMITTED = "commit_success.txt"
 
 
 def _manager(directory, asynchronous: bool = False, **options) -> ocp.CheckpointManager:
+    # Several processes' asynchronous saves meet at barriers named by the step: the
+    # last and best managers save the same step at once, so each names its own (with
+    # one name for both, the processes paired one's barrier with the other's and hung).
+    barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=directory.name)
     return ocp.CheckpointManager(
         location.absolute(directory),
         options=ocp.CheckpointManagerOptions(
-            create=True, enable_async_checkpointing=asynchronous, **options
-        ),
+            create=True, enable_async_checkpointing=asynchronous,
+            multiprocessing_options=barriers, **options,
+        ),  # fmt: skip
     )
 
 
