@@ -38,8 +38,10 @@ def _manager(directory, asynchronous: bool = False, **options) -> ocp.Checkpoint
     return ocp.CheckpointManager(
         location.absolute(directory),
         options=ocp.CheckpointManagerOptions(
-            create=True, enable_async_checkpointing=asynchronous,
-            multiprocessing_options=barriers, **options,
+            create=True,
+            enable_async_checkpointing=asynchronous,
+            multiprocessing_options=barriers,
+            **options,
         ),  # fmt: skip
     )
 
