@@ -42,7 +42,7 @@ def _manager(directory, asynchronous: bool = False, **options) -> ocp.Checkpoint
             enable_async_checkpointing=asynchronous,
             multiprocessing_options=barriers,
             **options,
-        ),  # fmt: skip
+        ),
     )
 
 
