@@ -261,6 +261,12 @@ def test_every_command_on_a_bucket(gcs, fixture_data, tmp_path):
     assert ckpt_lib.steps(run, "averaged") == [4]
     out = _cli(fixture_data, "translate", f"--workdir={run}", "--ensemble=@2", "Komm her!")
     assert out.stdout.count("\n") == 1
+    # Compiled programs kept in the bucket (the suite's own cache variable would win).
+    env = {k: v for k, v in env.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    xla = _bucket_path("xla")
+    _cli(fixture_data, "translate", f"--workdir={run}", f"--compilation_cache={xla}",
+         "Komm her!", env=env)  # fmt: skip
+    assert _objects(xla)
     _cli(fixture_data, "attention", f"--workdir={run}", "Komm her!")
     _cli(fixture_data, "diagnostics", f"--workdir={run}", "--pattern=local:window=2", "Komm her!")
     _cli(fixture_data, "export", f"--workdir={run}")
@@ -397,3 +403,27 @@ def test_the_tpu_command_of_the_scaling_guide_runs_on_the_local_server(gcs, fixt
          "--config.model.vocab_size=100", "--config.train.num_steps=2")  # fmt: skip
     workdir = location.path(next(a for a in args if a.startswith("--workdir=")).split("=", 1)[1])
     assert ckpt_lib.steps(workdir) == [2]
+
+
+def test_a_runs_extensions_kept_in_a_bucket(gcs, tmp_path, monkeypatch):
+    """A run in a bucket keeps its extensions' copies there; with the lab folder gone
+    a reader imports the bucket's copy through a local file."""
+    import shutil
+
+    from flaxformer_lite.config import extensions
+    from flaxformer_lite.workdir.folder import read_config, write_config
+    from tests.test_extensions import _config, _lab
+
+    path = _lab(tmp_path / "lab")
+    run = _bucket_path("extensions")
+    extensions.keep(str(path), run)
+    kept = json.loads((run / "extensions/manifest.json").read_text())
+    assert (run / "extensions" / kept[0]["copy"]).read_text() == path.read_text()
+    write_config(run, json.dumps(_config(path, ffn="t_glu")))
+    shutil.rmtree(path.parent)
+    monkeypatch.setattr(extensions, "_LOADED", {})
+    monkeypatch.setattr(extensions, "_MODULES", {})
+    assert read_config(run).model.ffn == "t_glu"
+    imported = [m for m in sys.modules.values() if getattr(m, "__name__", "").startswith(
+        "flaxformer_extension_lab_ext")]  # fmt: skip
+    assert any(location.cache_folder() in (m.__file__ or "") for m in imported)

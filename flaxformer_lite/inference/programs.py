@@ -45,6 +45,7 @@ from typing import Any
 import jax
 
 from flaxformer_lite.config import extensions
+from flaxformer_lite.workdir import location
 
 FOLDER = "searches"  # inside the compilation cache folder
 SWITCH = "FLAXFORMER_LITE_STORED_SEARCHES"  # "0": keep programs in memory only
@@ -211,11 +212,14 @@ def program_key(fn, args: tuple, kwargs: dict) -> str | None:
 
 
 def folder() -> Path | None:
-    """Where programs are stored: ``searches/`` of jax's compilation cache folder, or
+    """Where programs are stored: ``searches/`` of jax's compilation cache folder (a
+    cache in a bucket: of this machine's cache, as an entry is this machine's), or
     None (no folder set, or ``FLAXFORMER_LITE_STORED_SEARCHES=0``: nothing stored)."""
     cache = jax.config.jax_compilation_cache_dir
     if not cache or os.environ.get(SWITCH, "1") == "0":
         return None
+    if location.is_remote(cache):
+        return Path(location.cache_folder(FOLDER))
     return Path(os.path.expanduser(cache)) / FOLDER
 
 
