@@ -9,30 +9,24 @@
   python -m flaxformer_lite.main evaluate --workdir=runs/x --split=test
   python -m flaxformer_lite.main generate --workdir=runs/lm --temperature=0.8 "And God said"
   python -m flaxformer_lite.main attention --workdir=runs/x "Where is the station?"
-  python -m flaxformer_lite.main diagnostics --workdir=runs/x --pattern=local:window=8 \
-      --input=sentences.txt
+  python -m flaxformer_lite.main diagnostics --workdir=runs/x --input=sentences.txt
   python -m flaxformer_lite.main sweep --config=configs/ende_small.py:debug --workdir=runs/s \
       --sweep=model.num_heads=1,2 --sweep=model.positional=sinusoidal,learned --seeds=3
   python -m flaxformer_lite.main fields
 
 ``train`` (the default command) trains or resumes (SIGTERM or Ctrl-C: it saves a
-checkpoint after the current step and prints the command that resumes; Ctrl-C
-twice stops at once); ``import`` builds a run from a transformers Marian / OPUS-MT
-model (``train.init_from``) and saves it as step 0, to translate, evaluate or
-fine-tune; ``export`` writes a run for transformers or CTranslate2; ``average`` writes the mean
-of the last ``--num`` checkpoints' parameters (the paper averages 5 or 20) from the
-run's late ``--window``;
-``translate`` translates its arguments, ``--input`` or standard input;
-``evaluate`` translates a split and reports BLEU and chrF with signatures;
-``generate`` continues its arguments (``--input`` or standard input) with a
-language-model run; ``attention`` draws every layer's and head's attention on
-one sentence (a PNG grid and a self-contained HTML page); ``diagnostics`` reports
-each head's attention entropy, distance, largest logit and the share of its mass
-inside given sparse patterns over some texts (a table and a figure); ``sweep`` trains (or
-resumes) a cross product of config overrides times seeds, one run folder each,
-and tabulates them (see :mod:`flaxformer_lite.sweep`); ``fields`` lists every
-config field with its type, default and meaning. Decoding flags left out take
-the run's ``decode`` section.
+checkpoint after the current step and prints the command that resumes; Ctrl-C twice
+stops at once); ``import`` builds a run from a Marian / OPUS-MT model
+(``train.init_from``) as step 0; ``export`` writes a run for transformers or
+CTranslate2; ``average`` writes the mean of the last ``--num`` checkpoints of the
+run's late ``--window``; ``translate`` translates its arguments, ``--input`` or standard
+input; ``evaluate`` translates a split and reports BLEU and chrF; ``generate``
+continues prompts with a language-model run; ``attention`` draws every layer's and
+head's attention on one sentence (PNG and HTML); ``diagnostics`` reports each head's
+attention statistics over some texts; ``sweep`` trains (or resumes) a cross product of
+config overrides times seeds and tabulates them (:mod:`flaxformer_lite.sweep`);
+``fields`` lists every config field. Decoding flags left out take the run's
+``decode`` section.
 
 Above 400 lines on purpose: the eight commands' flags are declared here, once each,
 so that ``--helpfull`` lists them all and a command refuses another command's flags.
@@ -122,6 +116,8 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "generate: sample from the k likeliest
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling mass (1 = off).")
 _SEED = flags.DEFINE_integer("seed", 0, "generate: sampling seed (the same seed, the same texts).")
 
+_TRUST = flags.DEFINE_bool("trust_extensions", False, "Import the code a run carries "
+                           "(extensions/) that is not this machine's: read it first.")  # fmt: skip
 _DEBUG = flags.DEFINE_bool(
     "debug", False, "on an error, print its traceback and the libraries' error logs too."
 )
@@ -287,7 +283,7 @@ COMMANDS = {
     ),  # fmt: skip
     "fields": Command(_fields, ("config",), workdir=False),
 }
-EVERY_COMMAND = ("workdir", "debug", "compilation_cache")  # --workdir where needed
+EVERY_COMMAND = ("workdir", "debug", "compilation_cache", "trust_extensions")
 
 
 def _check_flags(name: str, command: Command) -> None:
@@ -351,8 +347,11 @@ def main(argv: list[str]) -> None:
     if not command.workdir:  # fields: nothing to fail but the config's own import
         command.run(argv[2:])
         return
+    from flaxformer_lite.config import trust
     from flaxformer_lite.workdir import location
     from flaxformer_lite.workdir.compile_cache import keep_compiled_programs
+
+    trust.trust_all(_TRUST.value)
 
     errors = _user_errors()
     try:

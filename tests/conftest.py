@@ -50,6 +50,12 @@ if "FLAXFORMER_CACHE" not in os.environ:
     _local = tempfile.mkdtemp(prefix="flaxformer-test-cache-")
     atexit.register(shutil.rmtree, _local, ignore_errors=True)
     os.environ["FLAXFORMER_CACHE"] = _local
+# Which runs' code the user trusts (config/trust.py) is recorded in the user's config
+# folder: the session's own, so that no test reads or writes the user's record.
+if "XDG_CONFIG_HOME" not in os.environ:
+    _config_home = tempfile.mkdtemp(prefix="flaxformer-test-config-")
+    atexit.register(shutil.rmtree, _config_home, ignore_errors=True)
+    os.environ["XDG_CONFIG_HOME"] = _config_home
 # Searches stored as executables (inference/programs.py) are compiled anew, not taken
 # from that shared cache, and keyed on the modules a process imported (the tests'
 # differ from worker to worker): in the suite they would cost compiles and rarely

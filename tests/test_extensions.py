@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite import Transformer
-from flaxformer_lite.config import ConfigError, ExperimentConfig, extensions
+from flaxformer_lite.config import ConfigError, ExperimentConfig, extensions, trust
 from flaxformer_lite.config.files import field_table
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.inference import export
@@ -151,25 +151,89 @@ def test_a_run_keeps_its_extensions(tmp_path, monkeypatch, capsys):
     kept = json.loads((run / "extensions" / "manifest.json").read_text())
     assert kept[0]["entry"] == str(path) and (run / "extensions" / "lab_ext.py").is_file()
     assert kept[0]["sha256"] == extensions.digest(path)
+    assert kept[0]["source"] == str(path.resolve())
     extensions.keep(str(path), run)  # a resume with the same code
-    # the lab folder moves: a fresh process reads the run's copy, silently
-    monkeypatch.setattr(extensions, "_LOADED", {})
-    moved = tmp_path / "moved"
-    shutil.move(path.parent, moved)
+    # the author on this machine (the original where the run recorded it) reads it
+    _forget(monkeypatch)
     extensions.load_kept(run)
     assert capsys.readouterr().err == ""
-    # the file changed: resuming is refused with the fix, reading notes it
+    # the file changed: resuming is refused with the fix
     changed = _lab(tmp_path / "lab", "\n# tuned\n")
     with pytest.raises(extensions.ExtensionError, match=r"lab_ext.py changed since .* restore"):
         extensions.keep(str(changed), run)
-    monkeypatch.setattr(extensions, "_LOADED", {})
-    extensions.load_kept(run)
-    assert "changed since the run kept it; using the run's copy" in capsys.readouterr().err
     # a damaged copy is never imported
     (run / "extensions" / "lab_ext.py").write_text("raise SystemExit\n")
-    monkeypatch.setattr(extensions, "_LOADED", {})
+    _forget(monkeypatch)
     with pytest.raises(extensions.ExtensionError, match="differs from what the run kept"):
         extensions.load_kept(run)
+
+
+def _forget(monkeypatch) -> None:
+    """A fresh process, as far as the extensions imported are concerned."""
+    monkeypatch.setattr(extensions, "_LOADED", {})
+    monkeypatch.setattr(extensions, "_MODULES", {})
+    monkeypatch.setattr(trust, "_TRUST_ALL", [False])  # the flag, off again after the test
+
+
+def test_a_runs_code_runs_only_on_its_users_word(tmp_path, monkeypatch, capsys):
+    """A run that arrives from elsewhere (its lab moved, gone or changed) is not
+    imported without --trust_extensions: one message naming each file, its SHA-256
+    and what it registers; nothing imported, nothing written. The flag imports it and
+    remembers the code in the user's record, so the next command needs no flag."""
+    marker = tmp_path / "ran"
+    path = tmp_path / "lab" / "lab_ext.py"
+    path.parent.mkdir()
+    path.write_text(
+        "from flaxformer_lite.sparse import patterns\n"
+        "from flaxformer_lite.sparse.spec import register_pattern\n"
+        f"open({str(marker)!r}, 'a').write('x')\n"
+        'register_pattern("t_trusted_band", {"window": 2})(lambda a, b, s: patterns.Local(2))\n'
+    )
+    run = tmp_path / "run"
+    extensions.keep(str(path), run)
+    marker.unlink(missing_ok=True)
+    shutil.rmtree(path.parent)  # the run, as a shared or downloaded one arrives
+    _forget(monkeypatch)
+    record = trust.record_path()
+    before = record.read_text() if record.exists() else None
+    sha = extensions.digest(run / "extensions" / "lab_ext.py")
+    with pytest.raises(extensions.ExtensionError) as refused:
+        extensions.load_kept(run)
+    said = str(refused.value)
+    assert f"lab_ext.py (SHA-256 {sha}, registers sparse pattern 't_trusted_band')" in said
+    assert "--trust_extensions" in said
+    assert not marker.exists() and extensions._LOADED == {}
+    assert (record.read_text() if record.exists() else None) == before
+    trust.trust_all()
+    extensions.load_kept(run)
+    assert marker.read_text() == "x" and sha in trust.trusted()
+    _forget(monkeypatch)  # the next command, without the flag: remembered
+    extensions.load_kept(run)
+    assert marker.read_text() == "xx"
+    # the author's file changed after training: the run's copy, with a note
+    path.parent.mkdir()
+    path.write_text("# tuned\n")
+    _forget(monkeypatch)
+    extensions.load_kept(run)
+    assert "changed since the run kept it; using the run's copy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../escape.py", "/tmp/abs.py", "sub/x.py", "link.py"])
+def test_a_manifest_never_points_out_of_its_folder(tmp_path, monkeypatch, name):
+    path = _lab(tmp_path / "lab")
+    run = tmp_path / "run"
+    extensions.keep(str(path), run)
+    folder = run / "extensions"
+    if name == "link.py":  # a link that leads out of the run's folder
+        (folder / name).symlink_to(path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest[0]["copy"] = name
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    _forget(monkeypatch)
+    trust.trust_all()
+    with pytest.raises(extensions.ExtensionError, match=f"names the copy '{re.escape(name)}'"):
+        extensions.load_kept(run)
+    assert extensions._LOADED == {}
 
 
 def test_export_and_import_name_what_they_cannot_carry(tmp_path):
@@ -189,3 +253,64 @@ def test_export_and_import_name_what_they_cannot_carry(tmp_path):
     )
     with pytest.raises(startup.TrainingError, match=r"model.ffn='t_glu' cannot hold a Marian"):
         startup.with_imported_model(config, tmp_path / "run")
+
+
+IMPLICIT = """
+from flaxformer_lite.model.attention import dot_scores, register_score_fn
+from flaxformer_lite.sparse import patterns
+from flaxformer_lite.sparse.spec import register_pattern
+
+register_pattern("t_own_band", {"window": 2})(lambda a, b, s: patterns.Local(a["window"]))
+register_score_fn("t_own_neg")(lambda **_: lambda q, k: -dot_scores(q, k))
+"""
+
+
+def test_a_module_the_config_imports_itself_is_kept(
+    tmp_path, monkeypatch, capsys, fixture_data, one_device
+):
+    """A config file that does ``import my_ext`` (no model.extensions): training keeps
+    the module's file as if named, with a note, so the run reads as any other; after
+    the lab moves, on the user's word. A name registered in ``__main__`` is refused."""
+    import sys
+
+    from flaxformer_lite.inference.run import Run
+    from flaxformer_lite.training.train import train_and_evaluate
+    from tests.fixtures import debug_config
+
+    lab = tmp_path / "lab"
+    lab.mkdir()
+    (lab / "t_own_ext.py").write_text(IMPLICIT)
+    monkeypatch.syspath_prepend(str(lab))
+    monkeypatch.chdir(tmp_path)
+    __import__("t_own_ext")  # what the config file's own import does
+    config = debug_config(fixture_data[1], num_steps=1, eval_bleu_sentences=0)
+    config.model.attention_pattern = "t_own_band:window=2"
+    config.model.attention_block_size = 8
+    config.model.attention_dropout = 0.0
+    run = tmp_path / "run"
+    train_and_evaluate(config, run)
+    said = capsys.readouterr().out
+    assert "note: model.extensions += lab/t_own_ext.py (it registers sparse pattern " in said
+    assert "'t_own_band', which the config uses; the run keeps it as if named)" in said
+    kept = json.loads((run / "extensions/manifest.json").read_text())
+    assert [r["entry"] for r in kept] == ["lab/t_own_ext.py"]
+    _forget(monkeypatch)
+    assert Run.open(run).model_config.attention_pattern == "t_own_band:window=2"  # the author
+    shutil.move(lab, tmp_path / "moved")
+    _forget(monkeypatch)
+    with pytest.raises(Exception, match="t_own_ext.py .*registers sparse pattern 't_own_band'"):
+        Run.open(run)
+    trust.trust_all()
+    assert Run.open(run).model_config.attention_pattern == "t_own_band:window=2"
+    # a name registered by the script or notebook cell that runs: no file to keep
+    from flaxformer_lite.sparse import patterns
+    from flaxformer_lite.sparse.spec import register_pattern
+
+    def here(a, b, s):
+        return patterns.Local(2)
+
+    here.__module__ = "__main__"
+    register_pattern("t_main_band", {})(here)
+    with pytest.raises(ConfigError, match=r"registered in __main__ .* model.extensions"):
+        extensions.implicit(ModelConfig(attention_pattern="t_main_band", attention_dropout=0.0))
+    del sys.modules["t_own_ext"]

@@ -50,9 +50,11 @@ def test_the_lab_example_from_training_to_the_sweep_report(fixture_data, tmp_pat
     assert kept[0]["entry"] == str(lab / "my_ext.py")
 
     moved = tmp_path / "elsewhere"
-    shutil.move(lab, moved)  # the runs read their own copies from now on
+    shutil.move(lab, moved)  # the runs read their own copies from now on, on the user's word
     w = "--workdir=runs/variant"
     after = _cases(tmp_path, "read", [
+        ["translate", w, "Where is the station?"],
+        ["translate", w, "--trust_extensions", "Where is the station?"],
         ["translate", w, "Where is the station?"],
         ["evaluate", w, "--limit=8"],
         ["average", w, "--num=2"],
@@ -63,7 +65,12 @@ def test_the_lab_example_from_training_to_the_sweep_report(fixture_data, tmp_pat
         ["export", "--workdir=runs/cosine"],
         ["export", w],
     ])  # fmt: skip
-    for result in after[:-2]:
+    stranger, after = after[0], after[1:]
+    assert stranger["code"] == 1 and len(stranger["stderr"].strip().splitlines()) == 1
+    assert "extensions/my_ext.py (SHA-256 " in stranger["stderr"]
+    assert "registers feed-forward block 'swiglu'" in stranger["stderr"]
+    assert "--trust_extensions" in stranger["stderr"]
+    for result in after[:-2]:  # trusted once, remembered for this code
         assert result["code"] == 0, result["stderr"][-3000:]
     cosine = after[-2]  # the score function cannot be written for Marian either
     assert cosine["code"] == 1 and "model.score_fn='lab_cosine'" in cosine["stderr"]

@@ -16,9 +16,17 @@ translates, evaluates, averages, draws and exports after the lab folder moves or
 changes; a note says when the original changed since. A resumed run whose extension
 file changed is refused, naming the file and the fix.
 
-Importing an extension runs its code, as importing any module does: only what the
-config or the run's own folder names is imported. Registering a name twice is allowed
-only with the same code (the same file content); a built-in name cannot be taken.
+Importing an extension runs its code, as importing any module does: a run's copies
+are imported only for their author on this machine (the original file at its recorded
+path, unchanged), for code the command's config names, or on the user's word
+(``--trust_extensions``, remembered by SHA-256: :mod:`~flaxformer_lite.config.trust`).
+Registering a name twice is allowed only with the same code (the same file content); a
+built-in name cannot be taken.
+
+A name the config uses that a user's module registered by being imported (a config
+file that does ``import my_ext``) is kept as if ``model.extensions`` named its file
+(:func:`implicit`); a name registered where no file can be kept (``__main__``, a
+notebook cell) is refused at training's start.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +45,7 @@ from typing import Any
 
 from etils import epath
 
+from flaxformer_lite.config import trust
 from flaxformer_lite.config.fields import ConfigError
 from flaxformer_lite.sparse import spec
 
@@ -45,7 +55,8 @@ MANIFEST = "manifest.json"
 
 _LOADED: dict[str, str] = {}  # entry -> SHA-256 of the code imported for it
 _MODULES: dict[str, Any] = {}  # SHA-256 -> the module imported from that code
-_ORIGINS: dict[tuple[str, str], tuple[str, tuple]] = {}  # (kind, name) -> (where, code)
+# (kind, name) -> (where: the entry or file, code, the factory's module)
+_ORIGINS: dict[tuple[str, str], tuple[str, tuple, str]] = {}
 _LOADING: list[str] = []  # the entry being imported (names its registrations)
 
 
@@ -139,7 +150,7 @@ def claim(kind: str, name: str, factory: Any, taken: bool) -> bool:
             f"{kind} {name!r} is already registered by other code ({before[0]}, then "
             f"{where}); rename one, or import one version"
         )
-    _ORIGINS[(kind, name)] = (where, code)
+    _ORIGINS[(kind, name)] = (where, code, getattr(factory, "__module__", "?") or "?")
     return before is None
 
 
@@ -150,6 +161,67 @@ def origin(kind: str, name: str) -> str | None:
     """The extension (its entry or file) that registered ``name``, or None (built in)."""
     found = _ORIGINS.get((kind, name))
     return found[0] if found else None
+
+
+# Names the config uses, and the files that registered them -----------------------------
+
+# model fields whose values are registered names, with the registries' kinds
+FIELD_KINDS = (("score_fn", "score function"), ("attention", "attention layer"),
+               ("ffn", "feed-forward block"), ("norm", "normalisation"),
+               ("positional", "position encoding"))  # fmt: skip
+
+
+def used_names(model) -> list[tuple[str, str, str]]:
+    """(kind, name, field) of each registered name a model config uses."""
+    used = [(kind, getattr(model, field), field) for field, kind in FIELD_KINDS]
+    for atom in re.split(r"[|&+;]", getattr(model, "attention_pattern", "") or ""):
+        name = atom.partition(":")[0].strip()
+        if name:
+            used.append(("sparse pattern", name, "attention_pattern"))
+    return used
+
+
+def implicit(model) -> list[tuple[str, str]]:
+    """(file, what it registers that ``model`` uses) of each user file whose names the
+    config uses without ``model.extensions`` naming it: a module a config file imported
+    itself. Training keeps them as if named. A name registered where no file can be
+    kept (``__main__``, a notebook cell) is an ExtensionError naming the fix."""
+    named = set(entries(getattr(model, "extensions", "")))
+    found: dict[str, list[str]] = {}
+    for kind, name, field in used_names(model):
+        record = _ORIGINS.get((kind, name))
+        if record is None or record[0] in named:
+            continue  # built in, or the config names its file
+        where, _, module = record
+        file = where if os.path.isfile(where) else _file_of(where)
+        if module == "__main__" or file is None:
+            main = "__main__ (the script or notebook cell that ran)"
+            place = main if module == "__main__" else where
+            raise ExtensionError(
+                f"model.{field}={getattr(model, field)!r}: {kind} {name!r} was registered in "
+                f"{place}, which a run cannot keep; put it in a file and name that file in "
+                "model.extensions (--config.model.extensions=lab/my_ext.py)"
+            )
+        path = os.path.abspath(file)
+        if not Path(path).is_relative_to(_PACKAGE):
+            found.setdefault(_shown(path), []).append(f"{kind} {name!r}")
+            # imported already, as a module of its own: named from now on, not run again
+            _LOADED.setdefault(_shown(path), digest(Path(path)))
+    return [(file, ", ".join(names)) for file, names in found.items()]
+
+
+def _file_of(entry: str) -> str | None:
+    """The file of an entry imported through model.extensions (a module's name), if any."""
+    try:
+        return str(source(entry))
+    except ExtensionError:
+        return None
+
+
+def _shown(path: str) -> str:
+    """A path relative to the working folder where it lies below it, else absolute."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 # The run folder's copies ----------------------------------------------------------------
@@ -193,7 +265,7 @@ def verify(text: str | None, workdir) -> list[dict[str, str]]:
         path = source(entry)
         sha = digest(path)
         if not kept:
-            records.append({"entry": entry, "path": str(path), "sha256": sha})
+            records.append({"entry": entry, "path": str(path.resolve()), "sha256": sha})
         elif sha in by_sha:
             records.append({**by_sha[sha], "entry": entry})
         else:
@@ -222,7 +294,9 @@ def keep(text: str | None, workdir) -> None:
         names.add(copy)
         (workdir / FOLDER).mkdir(parents=True, exist_ok=True)
         _write_atomic(workdir / FOLDER / copy, Path(r["path"]).read_bytes())
-        records.append({"entry": r["entry"], "copy": copy, "sha256": r["sha256"]})
+        # "source": where the author's file is, so that the author goes on without a flag
+        records.append({"entry": r["entry"], "copy": copy, "sha256": r["sha256"],
+                        "source": r["path"]})  # fmt: skip
     if records:
         _write_atomic(workdir / FOLDER / MANIFEST, json.dumps(records, indent=2).encode())
 
@@ -231,14 +305,18 @@ def load_kept(
     workdir, local_file: Callable[[epath.Path, bytes], str] | None = None
 ) -> list[dict[str, str]]:
     """Import the run's copies of its extensions (checked against their SHA-256) under
-    the entries its config names; returns the manifest's records. ``local_file(copy,
-    code)`` gives a local file of a copy in a bucket (Python imports files only)."""
+    the entries its config names; returns the manifest's records. A copy is imported
+    only where trusted (the module's docstring); otherwise nothing is imported and one
+    ExtensionError names each file, its SHA-256, what it would register and the flag.
+    ``local_file(copy, code)`` gives a local file of a copy in a bucket (Python imports
+    files only)."""
     workdir = _folder(workdir)
     records = _manifest(workdir)
+    pending, strangers = [], []
     for r in records:
-        copy = workdir / FOLDER / r["copy"]
-        if _LOADED.get(r["entry"]) == r["sha256"] and copy.is_file():
-            continue  # imported before (a sweep reads many runs of one extension)
+        copy = _copy_path(workdir, r)
+        if _LOADED.get(r["entry"]) == r["sha256"]:
+            continue  # this code is imported already (the command's own config named it)
         code = copy.read_bytes() if copy.is_file() else None
         if code is None or hashlib.sha256(code).hexdigest() != r["sha256"]:
             raise ExtensionError(
@@ -250,10 +328,63 @@ def load_kept(
                 f"{r['entry']} was imported here in another version than --workdir={workdir} "
                 f"kept (its copy: {copy}); run this command apart, or restore the file"
             )
+        if not (_authors(r) or r["sha256"] in trust.trusted() or trust.trusting_all()):
+            strangers.append((r, copy, code))
+        pending.append((r, copy, code))
+    if strangers:
+        raise ExtensionError(
+            f"--workdir={workdir} carries code that runs when the run is read, not files of "
+            "this machine: "
+            + "; ".join(
+                f"{copy} (SHA-256 {r['sha256']}, registers {', '.join(trust.declared(code))})"
+                for r, copy, code in strangers
+            )
+            + ". Read it, then rerun with --trust_extensions (remembered for this code in "
+            f"{trust.record_path()})"
+        )
+    if trust.trusting_all():
+        trust.remember([r for r, _, _ in pending if not _authors(r)], workdir)
+    for r, copy, code in pending:
         _warn_if_changed(r, copy)
         remote = "://" in os.fspath(copy)
         _import(r["entry"], Path(local_file(copy, code)) if remote else Path(copy), r["sha256"])
     return records
+
+
+def _copy_path(workdir: epath.Path, record: dict) -> epath.Path:
+    """The file a manifest record names, which must be a plain file directly in the
+    run's ``extensions/`` (a name with a folder, ``..``, an absolute path or a link that
+    leads out of it is refused: a manifest is data, it never points elsewhere)."""
+    name = record.get("copy")
+    folder = workdir / FOLDER
+    bad = (
+        not isinstance(name, str)
+        or not name.endswith(".py")
+        or name != os.path.basename(name)
+        or name in (".", "..")
+        or "\0" in name
+    )
+    copy = None if bad else folder / name
+    if copy is not None and "://" not in os.fspath(copy) and os.path.islink(copy):
+        bad = True
+    if bad:
+        raise ExtensionError(
+            f"{folder / MANIFEST} names the copy {name!r}, not a file of that folder; the run's "
+            "folder was altered: restore it, or train again"
+        )
+    return copy
+
+
+def _authors(record: dict) -> bool:
+    """Whether the original of a copy is on this machine, unchanged, where the run
+    recorded it (or, for a run kept before the path was recorded, where its entry leads
+    from here): the run's own author reading their run."""
+    where = record.get("source")
+    try:
+        path = Path(where) if where else source(record["entry"])
+        return path.is_file() and digest(path) == record["sha256"]
+    except (ExtensionError, OSError):
+        return False
 
 
 def _warn_if_changed(record: dict[str, str], copy) -> None:

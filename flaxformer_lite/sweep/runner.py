@@ -50,6 +50,7 @@ from typing import Any
 
 import jax
 
+from flaxformer_lite.config import trust
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.builders import LOCAL_BUILDERS, build_local_dataset
@@ -201,6 +202,7 @@ def execute(
             f"--workdir={folder}",
             f"--split={sweep.split}",
             f"--limit={sweep.limit}",
+            "--trust_extensions",  # its own runs: the code the sweep's config trained
             *sweep.decode_flags,
         ]
         if _run_logged(evaluate, folder / "evaluate.log", env):
@@ -274,8 +276,10 @@ def sweep_main(
     its ``overrides``, run in ``workdir``; a SweepError names the runs that failed.
 
     This process only validates, counts parameters and tabulates: it stays on the CPU,
-    so that the runs it starts (in their own processes) get the accelerators."""
+    so that the runs it starts (in their own processes) get the accelerators. It reads
+    its own runs' code without asking (:mod:`~flaxformer_lite.config.trust`)."""
     jax.config.update("jax_platforms", "cpu")
+    trust.trust_all()
     spec = Sweep(
         config=config, axes=tuple(parse_axis(a) for a in axes), seeds=seeds,
         overrides=overrides, split=split, limit=limit, decode_flags=decode_flags,

@@ -46,6 +46,20 @@ class TrainingError(RuntimeError):
 HOW = ("data_dir", "scan_layers", "remat", "extensions")
 
 
+def with_implicit_extensions(config: ExperimentConfig) -> ExperimentConfig:
+    """``config`` with the user files whose registrations it uses added to
+    ``model.extensions`` (a config file that imported its lab module itself), each with
+    a note: the run keeps them, so every later command reads it as any other."""
+    found = extensions.implicit(config.model)
+    if not found:
+        return config
+    for file, what in found:
+        print(f"note: model.extensions += {file} (it registers {what}, which the config uses; "
+              "the run keeps it as if named)")  # fmt: skip
+    names = extensions.entries(config.model.extensions) + [file for file, _ in found]
+    return dataclasses.replace(config, model=config.model.replace(extensions=",".join(names)))
+
+
 def check_workdir(config, workdir: location.Path) -> None:
     """Writable, and holding no other model's run (a clear error, never a shape crash)."""
     try:

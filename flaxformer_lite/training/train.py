@@ -67,6 +67,7 @@ def train_and_evaluate(config, workdir, *, import_only: bool = False) -> dict[st
     created = not workdir.exists() and jax.process_index() == 0
     try:
         config = ExperimentConfig.from_config(config)  # checked before any data is read
+        config = startup.with_implicit_extensions(config)  # a config's own imports, kept
         if import_only and not config.train.init_from:
             raise TrainingError("import needs --config.train.init_from=hf:DIR")
         config = startup.with_imported_model(config, workdir)

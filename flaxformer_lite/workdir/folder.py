@@ -59,10 +59,15 @@ def read_config(workdir) -> ExperimentConfig | None:
     except extensions.ExtensionError as e:
         raise CheckpointError(str(e)) from e
     except ConfigError as e:
-        raise CheckpointError(
-            f"{path} is not a config this version can read ({e}); restore it, or train in "
-            "a new --workdir"
-        ) from e
+        registered = "(or register one" in str(e) or "unknown sparse pattern" in str(e)
+        fix = (
+            "if it is a name your own code registers, the run does not carry that code: name "
+            f'its file in the "extensions" of "model" in {path} (e.g. "lab/my_ext.py"), or '
+            "train in a new --workdir"
+            if registered or "is not allowed" in str(e)
+            else "restore it, or train in a new --workdir"
+        )
+        raise CheckpointError(f"{path} is not a config this version can read ({e}); {fix}") from e
 
 
 def find_params_ema(opt_state: Any) -> Any | None:
