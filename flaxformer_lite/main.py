@@ -419,17 +419,17 @@ def _parse_flags(argv: list[str]) -> list[str]:
                 message += f" ({lines[-1].strip()})"
             _fail(f"--config: {message}")
         _fail(f"{text}; `python -m flaxformer_lite.main --helpfull` lists the flags")
-    except (AttributeError, KeyError, OSError) as e:
+    except (AttributeError, KeyError, TypeError, IndexError, OSError) as e:
         if not _from_config_flags(e) or "--debug" in argv:
             raise
         if isinstance(e, OSError):  # the config file could not be loaded
             _fail(f"--config: {e}")
         text = str(e.args[0]) if e.args else str(e)
-        from flaxformer_lite.config.files import unknown_field
+        from flaxformer_lite.config.files import below_a_value, unknown_field
 
         field = re.search(r"[A-Za-z_]\w*", text)
         paths = [a[len("--config.") :].split("=")[0] for a in argv if a.startswith("--config.")]
-        _fail(unknown_field(field.group(0) if field else text, paths))
+        _fail(below_a_value(paths) or unknown_field(field.group(0) if field else text, paths))
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")

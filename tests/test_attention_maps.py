@@ -135,6 +135,36 @@ def test_html_page_draws_in_a_headless_browser(maps, tmp_path):
     assert dom.count('class="cell"') == cells and f'data-cells="{cells}"' in dom
 
 
+HOSTILE = "</script><img src=x onerror=\"document.title='PWNED'\">"
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Debian's chromium is not installed")
+def test_the_page_shows_corpus_text_as_text(maps, tmp_path):
+    """A sentence (and a piece) holding markup is displayed as its characters, and
+    nothing it holds runs: the page's title stays, no image is made, the matrix draws."""
+    import dataclasses
+
+    pieces = list(maps.source_pieces)
+    pieces[0] = HOSTILE
+    hostile = dataclasses.replace(maps, text=HOSTILE, output=HOSTILE, source_pieces=pieces)
+    path = am.write_page(hostile, tmp_path / "page.html")
+    with tempfile.TemporaryDirectory() as profile:
+        out = subprocess.run(
+            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", f"--user-data-dir={profile}", "--dump-dom",
+             f"file://{path}#kind=cross&layer=0&head=0&query=1"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    dom = out.stdout
+    assert 'data-ready="1"' in dom, out.stderr[-2000:]
+    title = re.search(r"<title>([^<]*)</title>", dom).group(1)
+    assert title.startswith("attention: &lt;/script&gt;")  # not changed by the payload
+    page = re.sub(r'<script id="attention-data".*?</script>', "", dom, flags=re.S)
+    assert "<img" not in page  # the data's own text aside, no element was made of it
+    assert "&lt;/script&gt;&lt;img src=x onerror=" in dom  # shown, as text
+
+
 def test_sparse_weights_are_the_patterns_and_give_the_kernels_output():
     """The weights sown for a sparse pattern are zero outside it and, applied to the
     values, give what the blocked kernel computes."""

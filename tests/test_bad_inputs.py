@@ -32,6 +32,11 @@ CASES = [
         ["--config.model.dropout_rate=1.5"],
         ["'model.dropout_rate'", "residual_dropout", "attention_dropout"],
     ),  # fmt: skip
+    (
+        "an override below a field's value",
+        ["--config.model.attention.pattern=nope"],
+        ["--config.model.attention.pattern", "model.attention holds a value (str)", "whole"],
+    ),  # fmt: skip
     # A field's own fault is named before a rule that combines it with others (the
     # config keeps attention_dropout=0.1, which sparse patterns refuse).
     ("bad pattern name", ["--config.model.attention_pattern=nope"], ["'nope'", "known: full"]),

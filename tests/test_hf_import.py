@@ -153,6 +153,38 @@ def test_refused_before_anything_is_written(tmp_path, opus):
     assert sorted(p.name for p in broken.iterdir()) == ["config.json"]
 
 
+def test_a_model_folder_is_read_as_weights_only(tmp_path, opus):
+    """A folder that asks for code of its own (auto_map) is refused unless trusted (its
+    weights are then read, its code never run); an index naming a shard outside the
+    folder is refused; a config.json of another shape is one line."""
+    import shutil
+
+    from flaxformer_lite.config import trust
+
+    folder, _, _ = opus
+    custom = shutil.copytree(folder, tmp_path / "custom")
+    config = json.loads((custom / "config.json").read_text())
+    auto = {"AutoModel": "modeling_mine.MineModel"}
+    (custom / "config.json").write_text(json.dumps(config | {"auto_map": auto}))
+    (custom / "modeling_mine.py").write_text("raise SystemExit('ran')\n")
+    with pytest.raises(export.ExportError, match=r"asks for code of its own \(config.json"):
+        hf_import.read_marian(custom)
+    trust.trust_all()
+    try:
+        assert hf_import.read_marian(custom).tokenizer is not None  # weights, never code
+    finally:
+        trust.trust_all(False)
+    escape = shutil.copytree(folder, tmp_path / "escape")
+    (escape / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    index = {"weight_map": {"model.shared.weight": "../outside.safetensors"}}
+    (escape / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(export.ExportError, match="names the shard '../outside.safetensors'"):
+        hf_import.read_marian(escape)
+    (escape / "config.json").write_text("[1, 2]")
+    with pytest.raises(export.ExportError, match="config.json holds list, not an object"):
+        hf_import.read_marian(escape)
+
+
 @pytest.mark.slow  # ~35 s; the default run keeps the logits and greedy outputs' parity
 def test_import_then_translate_evaluate_fine_tune_and_export_back(
     tmp_path, opus, fixture_data, one_device

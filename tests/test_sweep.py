@@ -330,3 +330,23 @@ def test_sigterm_stops_the_sweep_and_its_runs(fixture_data, tmp_path):
     assert _processes_naming(str(workdir)) == []  # no orphaned run keeps writing
     assert not (workdir / "num_heads=1" / "seed0" / "sweep_result.json").exists()
     assert not (workdir / "num_heads=2").exists()  # the queued run never started
+
+
+def test_a_points_folder_stays_inside_the_sweep_folder(tmp_path):
+    """Override values become folder names: a value holding a separator, dots only, a
+    NUL or a thousand characters still names one folder inside the sweep's."""
+    values = ["../../escape", "..", "a/b", "x\x00y", "x" * 1000, "/abs"]
+    spec = Sweep(
+        "configs/ende_small.py:debug",
+        axes=(parse_axis(f"data.reverse_tag={json.dumps(values)}"),),
+        seeds=1,
+    )
+    folders = [r.folder for r in spec.runs()]
+    assert len(set(folders)) == len(values)
+    for folder in folders:
+        point, seed = folder.split("/")
+        assert seed.startswith("seed") and "\x00" not in point
+        assert point not in (".", "..") and len(point.encode()) <= 200
+        inside = (tmp_path / folder).resolve()
+        assert inside.is_relative_to(tmp_path.resolve())
+        inside.mkdir(parents=True)  # a name the file system takes

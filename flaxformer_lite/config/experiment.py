@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from flaxformer_lite.config import extensions, rules
@@ -375,7 +376,18 @@ class ExperimentConfig:
         what a run saved before that field existed means; an unknown one is an error."""
         if isinstance(config, ExperimentConfig):
             return config
-        values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        values = config.to_dict() if hasattr(config, "to_dict") else config
+        if not isinstance(values, Mapping):  # a saved config.json is data, of one shape
+            raise ConfigError(
+                f"the config is {type(values).__name__}, not a mapping of sections "
+                "(model, data, ...)"
+            )
+        for name, section in values.items():
+            if not isinstance(section, Mapping):
+                raise ConfigError(
+                    f"the config's section {name!r} is {type(section).__name__}, not a "
+                    "mapping of fields"
+                )
         unknown = sorted(set(values) - {"model", *SECTIONS})
         if unknown:
             raise ConfigError(
@@ -384,7 +396,12 @@ class ExperimentConfig:
             )
         if "model" not in values:
             raise ConfigError("the config has no 'model' section; see configs/ende_small.py")
-        extensions.load(dict(values["model"]).get("extensions"))  # before names are checked
+        named = values["model"].get("extensions")
+        if not isinstance(named, str | list | tuple | None):
+            raise ConfigError(
+                f"config.model.extensions={named!r} must be of type str (files, comma-separated)"
+            )
+        extensions.load(named)  # before names are checked
         sections = {name: kind.from_dict(values.get(name, {})) for name, kind in SECTIONS.items()}
         return cls(model=ModelConfig.from_dict(values["model"]), **sections)
 

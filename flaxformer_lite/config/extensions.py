@@ -46,7 +46,7 @@ from typing import Any
 from etils import epath
 
 from flaxformer_lite.config import trust
-from flaxformer_lite.config.fields import ConfigError
+from flaxformer_lite.config.fields import ConfigError, json_of
 from flaxformer_lite.sparse import spec
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # flaxformer_lite/: its names are built in
@@ -238,9 +238,17 @@ def _manifest(workdir) -> list[dict[str, str]]:
     if not path.is_file():
         return []
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExtensionError(f"{path} is not valid JSON ({e}); restore it") from e
+        records = json_of(path.read_text(), list, str(path))
+    except ConfigError as e:
+        raise ExtensionError(f"{e}; restore it") from None
+    for r in records:
+        fields = ("entry", "copy", "sha256")
+        if not isinstance(r, dict) or not all(isinstance(r.get(k), str) for k in fields):
+            raise ExtensionError(
+                f"{path} holds a record that is not {{entry, copy, sha256}} strings ({r!r:.80}); "
+                "restore it"
+            )
+    return records
 
 
 def _write_atomic(path: epath.Path, data: bytes) -> None:

@@ -21,6 +21,7 @@ dataclass the parsed value.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -170,3 +171,17 @@ def describe(cls) -> list[tuple[str, str, str, str]]:
             meaning += f" ({meta['rule'].text})"
         rows.append((f.name, kind, repr(default), meaning))
     return rows
+
+
+def json_of(text: str, shape: type, where: str) -> Any:
+    """``text`` parsed as JSON of ``shape`` (dict or list): a run's files are data, read
+    as such; any other content is a ConfigError naming ``where`` and what it holds."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(value, shape):
+        raise ConfigError(
+            f"{where} holds {type(value).__name__}, not the {shape.__name__} of its format"
+        )
+    return value

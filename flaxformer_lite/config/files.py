@@ -18,7 +18,7 @@ from pathlib import Path
 import ml_collections
 
 from flaxformer_lite.config.experiment import SECTIONS, ExperimentConfig
-from flaxformer_lite.config.fields import ConfigError, describe
+from flaxformer_lite.config.fields import ConfigError, describe, type_name
 from flaxformer_lite.config.model import ModelConfig, model_config_dict
 
 
@@ -116,6 +116,22 @@ def load_config(
             raise ConfigError(f"config.{key}={value!r} has the wrong type ({e})") from None
     ExperimentConfig.from_config(config)
     return config
+
+
+def below_a_value(paths: list[str]) -> str | None:
+    """The message for an override that reaches below a field holding a value
+    (``model.attention.pattern``, where ``model.attention`` is a string), or None."""
+    kinds = {"model": ModelConfig, **SECTIONS}
+    for given in paths:
+        section, field, *rest = given.split(".") + [""]
+        known = {f.name: f for f in dataclasses.fields(kinds[section])} if section in kinds else {}
+        if rest and rest[0] and field in known:
+            return (
+                f"--config.{given}: {section}.{field} holds a value "
+                f"({type_name(known[field].type)}), not fields; set it whole: "
+                f"--config.{section}.{field}=VALUE (`python -m flaxformer_lite.main fields`)"
+            )
+    return None
 
 
 def unknown_field(name: str, paths: list[str]) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from flaxformer_lite.config.experiment import TEXT_TASKS, ExperimentConfig
+from flaxformer_lite.config.fields import ConfigError, json_of
 from flaxformer_lite.data import (
     cooccurrence,
     files,
@@ -353,7 +354,10 @@ def check_corpus(workdir, dataset: str, fingerprint: str) -> None:
     content there is refused, since the run's tokenizer and data order came from it."""
     path = location.path(workdir) / CORPUS_FILE
     if path.exists():
-        before = json.loads(path.read_text())
+        try:
+            before = json_of(path.read_text(), dict, str(path))
+        except ConfigError as e:
+            raise files.CorpusError(f"{e}; restore it, or train in a new --workdir") from None
         if before.get("fingerprint") != fingerprint:
             raise files.CorpusError(
                 f"--workdir={workdir} trained on {before.get('dataset')} with content "

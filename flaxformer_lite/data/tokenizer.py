@@ -309,14 +309,34 @@ class PairTokenizer(Tokenizer):
 
     @classmethod
     def load(cls, path: str | Path) -> PairTokenizer:
+        """The archive's three members and nothing else, each read up to
+        :data:`MEMBER_LIMIT` bytes whatever its header claims (a zip bomb is refused,
+        never expanded)."""
         path = Path(path)
         try:
             with zipfile.ZipFile(path) as z:
-                meta = json.loads(z.read("pieces.json"))
-                source, target = z.read("source.spm"), z.read("target.spm")
-        except (KeyError, ValueError, zipfile.BadZipFile) as e:
+                meta = json.loads(_member(z, "pieces.json"))
+                source, target = _member(z, "source.spm"), _member(z, "target.spm")
+            pieces, unk = meta["pieces"], meta["unk_id"]
+            if not (isinstance(pieces, list) and all(isinstance(p, str) for p in pieces)):
+                raise ValueError("its pieces are not a list of strings")
+            if not isinstance(unk, int) or not 0 <= unk < len(pieces):
+                raise ValueError(f"its unknown id {unk!r} is not one of its pieces")
+            return cls(source, target, pieces, unk, path)
+        except (KeyError, TypeError, ValueError, RuntimeError, zipfile.BadZipFile) as e:
             raise ValueError(f"{path} is not a valid pair tokenizer ({e}); import it again") from e
-        return cls(source, target, meta["pieces"], meta["unk_id"], path)
+
+
+MEMBER_LIMIT = 64 << 20  # bytes: a sentencepiece model or piece list far past any real one
+
+
+def _member(archive: zipfile.ZipFile, name: str) -> bytes:
+    """One member of a tokenizer archive, read to at most MEMBER_LIMIT bytes."""
+    with archive.open(name) as f:
+        data = f.read(MEMBER_LIMIT + 1)
+    if len(data) > MEMBER_LIMIT:
+        raise ValueError(f"its {name} expands past {MEMBER_LIMIT >> 20} MiB")
+    return data
 
 
 def _processor(model: bytes) -> spm.SentencePieceProcessor:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flaxformer_lite.config import trust
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import PairTokenizer
 from flaxformer_lite.inference.export import MARIAN_EPSILON, ExportError, width_order
@@ -188,6 +189,11 @@ def read_weights(folder: Path) -> dict[str, np.ndarray]:
     if index.is_file():
         state = {}
         for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            if not isinstance(shard, str) or shard != Path(shard).name or shard in ("..", "."):
+                raise ExportError(
+                    f"{index} names the shard {shard!r}, not a file of {folder}; a model "
+                    "folder's index only names its own files"
+                )
             state |= load_file(str(folder / shard))
         return state
     if (folder / "model.safetensors").is_file():
@@ -238,11 +244,38 @@ def read_marian(folder: str | Path) -> Imported:
             f"{folder} is not a transformers model folder (no config.json); download one "
             "first, e.g. huggingface-cli download Helsinki-NLP/opus-mt-en-de --local-dir DIR"
         )
-    config = json.loads((folder / "config.json").read_text())
-    model_config_from_hf(config)  # refusals before the weights are read
-    state = read_weights(folder)
-    bias = state.get("final_logits_bias")
-    c = model_config_from_hf(config, logits_bias=bias is not None and bool(np.any(bias != 0)))
-    order = vocab_order(config)
-    params = params_from_hf(state, c, order)
-    return Imported(c, params, read_tokenizer(folder, config, order))
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"config.json holds {type(config).__name__}, not an object")
+        _no_code_of_its_own(folder, config)
+        model_config_from_hf(config)  # refusals before the weights are read
+        state = read_weights(folder)
+        bias = state.get("final_logits_bias")
+        c = model_config_from_hf(config, logits_bias=bias is not None and bool(np.any(bias != 0)))
+        order = vocab_order(config)
+        params = params_from_hf(state, c, order)
+        return Imported(c, params, read_tokenizer(folder, config, order))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, ExportError):
+            raise
+        raise ExportError(
+            f"{folder} is not a model folder this import can read ({type(e).__name__}: "
+            f"{str(e)[:200]}); save the model again with transformers' save_pretrained"
+        ) from None
+
+
+def _no_code_of_its_own(folder: Path, config: dict) -> None:
+    """A folder that asks for its own code (``auto_map``: transformers runs it only with
+    ``trust_remote_code=True``) is refused unless the user trusts it: this import runs
+    no code of a folder's, so such a model is not the architecture read here either."""
+    settings_file = folder / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    files = (("config.json", config), ("tokenizer_config.json", settings))
+    asks = [name for name, holds in files if isinstance(holds, dict) and holds.get("auto_map")]
+    if asks and not trust.trusting_all():
+        raise ExportError(
+            f"{folder} asks for code of its own ({' and '.join(asks)} hold auto_map), which "
+            "this import never runs and may not read right; import a Marian or Pegasus folder "
+            "without it, or pass --trust_extensions to read its weights as Marian's anyway"
+        )

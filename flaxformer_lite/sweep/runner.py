@@ -52,6 +52,7 @@ import jax
 
 from flaxformer_lite.config import trust
 from flaxformer_lite.config.experiment import ExperimentConfig
+from flaxformer_lite.config.fields import ConfigError, json_of
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.builders import LOCAL_BUILDERS, build_local_dataset
 from flaxformer_lite.inference.run import Run
@@ -71,7 +72,7 @@ RESULTS_MD = "results.md"
 def _claim_folder(sweep: Sweep, workdir: location.Path) -> None:
     spec_file = workdir / SPEC_FILE
     if spec_file.is_file():
-        old = json.loads(spec_file.read_text())
+        old = _json(spec_file, dict)
         for key in ("config", "overrides"):
             if old.get(key) != sweep.to_json()[key]:
                 raise SweepError(
@@ -85,6 +86,23 @@ def _claim_folder(sweep: Sweep, workdir: location.Path) -> None:
         )
     workdir.mkdir(parents=True, exist_ok=True)
     location.write_atomic(spec_file, json.dumps(sweep.to_json(), indent=2))
+
+
+def _json(path, shape: type):
+    """A sweep's or run's JSON file, read as data of its one shape (else a SweepError
+    naming the file and the fix)."""
+    try:
+        return json_of(path.read_text(), shape, str(path))
+    except ConfigError as e:
+        raise SweepError(f"{e}; restore it, or delete it to run that part again") from None
+
+
+def _row(line: str, path) -> dict[str, Any]:
+    """One line of a JSON-lines file, a dict (else a SweepError naming the file)."""
+    try:
+        return json_of(line, dict, f"a line of {path}")
+    except ConfigError as e:
+        raise SweepError(f"{e}; restore the file") from None
 
 
 class SweepInterrupted(SweepError):
@@ -176,7 +194,7 @@ def execute(
     folder = workdir / spec.folder
     done = folder / RESULT_FILE
     if done.is_file():
-        return json.loads(done.read_text())
+        return _json(done, dict)
     if recorded is not None and recorded.get("status") == "ok":
         return recorded
     if _CHILDREN.stopping:  # the sweep is being interrupted: start nothing new
@@ -207,10 +225,10 @@ def execute(
         ]
         if _run_logged(evaluate, folder / "evaluate.log", env):
             return {**row, "status": "failed", "error": _tail(folder / "evaluate.log")}
-        scores = json.loads((folder / f"{sweep.split}_scores.json").read_text())
+        scores = _json(folder / f"{sweep.split}_scores.json", dict)
     minutes = (time.perf_counter() - start) / 60
     attempts = folder / "sweep_minutes.json"  # wall time over interrupted attempts
-    earlier = json.loads(attempts.read_text()) if attempts.is_file() else []
+    earlier = _json(attempts, list) if attempts.is_file() else []
     attempts.write_text(json.dumps([*earlier, minutes]))
     row.update(measure(folder, config))
     row["wall_minutes"] = sum(earlier) + minutes
@@ -228,7 +246,7 @@ def measure(folder: location.Path, config: ExperimentConfig) -> dict[str, Any]:
     params = Run(folder, config).abstract_params
     d, t = config.data, config.train
     text = (folder / "metrics.jsonl").read_text()
-    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = [_row(line, folder / "metrics.jsonl") for line in text.splitlines() if line.strip()]
     train = [r for r in records if r["split"] == "train"]
     valid = [r for r in records if r["split"] == "validation" and math.isfinite(r["nll"])]
     # The first window holds the compilation; the median ignores it once there are three.
@@ -260,8 +278,13 @@ def _hparams(workdir: location.Path, sweep: Sweep, spec: RunSpec, row: dict[str,
         for k, v in row.items()
         if k in METRICS and isinstance(v, int | float) and v is not None
     }
-    with summary_writer_class()(str(workdir / "tensorboard")) as writer:
+    with _HPARAMS, summary_writer_class()(str(workdir / "tensorboard")) as writer:
         writer.add_hparams(hparams, metrics, name=spec.folder)
+
+
+# One HParams writer at a time: --parallel runs finishing together each made the sweep's
+# tensorboard/ folder (tensorboardX makes it unless it exists), and one of them failed.
+_HPARAMS = threading.Lock()
 
 
 def _tb_value(value: Any) -> Any:
@@ -368,7 +391,7 @@ def _recorded(workdir: location.Path) -> dict[str, dict[str, Any]]:
     path = workdir / RESULTS_JSONL
     if not path.is_file():
         return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [_row(line, path) for line in path.read_text().splitlines() if line.strip()]
     return {r["run"]: r for r in rows if r.get("status") == "ok"}
 
 

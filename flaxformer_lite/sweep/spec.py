@@ -11,6 +11,7 @@ validate) fails before anything runs, with one line naming it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import sys
@@ -144,6 +145,23 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+NAME_BYTES = 200  # a point's folder name at most (file systems allow 255 bytes)
+
+
+def folder_name(label: str) -> str:
+    """A point's label (``ffn=swiglu,num_heads=4``) as one folder name inside the sweep
+    folder, whatever the values hold: a separator or control character (``/``, NUL)
+    becomes ``_``, a name of dots (``..``) is prefixed, and a name too long for a file
+    system ends in a hash of the whole label instead."""
+    name = "".join("_" if c in "/\\" or ord(c) < 32 else c for c in label)
+    if not name.strip("."):
+        name = f"_{name}"
+    if len(name.encode()) > NAME_BYTES:
+        digest = hashlib.sha256(label.encode()).hexdigest()[:12]
+        name = name.encode()[: NAME_BYTES - 13].decode(errors="ignore") + "-" + digest
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """One run of a sweep: a point of the grid and a seed."""
@@ -211,7 +229,7 @@ class Sweep:
                 f"{a.field if names.count(a.name) > 1 else a.name}={_format(v)}"
                 for a, v in zip(self.axes, values, strict=True)
             ]
-            name = ",".join(labels).replace("/", "_") or "base"
+            name = folder_name(",".join(labels)) if labels else "base"
             for i in range(self.seeds):
                 seed = first_seed + i
                 out.append(RunSpec(point, seed, f"{name}/seed{seed}"))

@@ -122,7 +122,8 @@ class _FileLock:
 def _read(fd: int) -> dict:
     try:
         text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-        return json.loads(text) if text else {}
+        holder = json.loads(text) if text else {}
+        return holder if isinstance(holder, dict) else {}
     except (OSError, ValueError):
         return {}
 
