@@ -314,3 +314,72 @@ def test_a_module_the_config_imports_itself_is_kept(
     with pytest.raises(ConfigError, match=r"registered in __main__ .* model.extensions"):
         extensions.implicit(ModelConfig(attention_pattern="t_main_band", attention_dropout=0.0))
     del sys.modules["t_own_ext"]
+
+
+def test_an_older_run_without_its_code_names_the_fix(tmp_path):
+    """A run trained before runs kept a config's own imports: its names are unknown
+    here, and the message says where to name the file, not "restore it"."""
+    from flaxformer_lite.workdir.checkpoints import CheckpointError
+    from flaxformer_lite.workdir.folder import read_config
+
+    config = ExperimentConfig.from_config(_config("")).to_dict()
+    config["model"]["attention_pattern"] = "t_gone_band:window=8"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as e:
+        read_config(tmp_path)
+    said = str(e.value)
+    assert "unknown sparse pattern 't_gone_band'" in said
+    assert 'name its file in the "extensions" of "model"' in said and "restore it" not in said
+
+
+LAB_CONFIG = """
+import os, sys
+sys.path.insert(0, os.path.dirname(__file__))
+import t_sweep_ext  # the lab's own names, registered by importing it
+
+from flaxformer_lite.config import apply_variants, base_config, get_preset
+
+
+def get_config(arg=None):
+    config = base_config(get_preset("paper_base"))
+    config.model.attention_pattern = "t_sweep_band:window=2"
+    config.model.attention_block_size = 8
+    config.model.attention_dropout = 0.0
+    return apply_variants(config, arg).lock()
+"""
+
+
+@pytest.mark.slow  # a 1-run sweep and its scoring, then a translate: ~40 s
+def test_a_sweep_of_a_config_that_imports_its_lab(tmp_path, fixture_data):
+    """The report's case: a config file that imports its lab module, swept; the runs
+    train, keep the module and are scored; after the lab moves, translate reads a run on
+    the user's word."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures import ROOT, debug_env
+
+    lab = tmp_path / "lab"
+    lab.mkdir()
+    (lab / "t_sweep_ext.py").write_text(IMPLICIT.replace("t_own", "t_sweep"))
+    (lab / "my_config.py").write_text(LAB_CONFIG)
+    env = debug_env(fixture_data, PYTHONPATH=str(ROOT))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "flaxformer_lite.main", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True)  # fmt: skip
+
+    data = f"--config.data.data_dir={fixture_data[1]}"
+    out = cli("sweep", "--config=lab/my_config.py:debug", "--workdir=sweep", "--seeds=1",
+              "--sweep=model.num_heads=2", "--limit=4", "--beam_size=1", data,
+              "--config.model.vocab_size=100")  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run = tmp_path / "sweep/num_heads=2/seed0"
+    assert "note: model.extensions += lab/t_sweep_ext.py" in (run / "train.log").read_text()
+    assert (run / "test_scores.json").is_file()
+    os.rename(lab, tmp_path / "moved")
+    refused = cli("translate", f"--workdir={run}", "Komm her!")
+    assert refused.returncode == 1 and "t_sweep_ext.py (SHA-256" in refused.stderr
+    trusted = cli("translate", f"--workdir={run}", "--trust_extensions", "Komm her!")
+    assert trusted.returncode == 0 and trusted.stdout.count("\n") == 1, trusted.stderr[-2000:]
