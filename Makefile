@@ -1,6 +1,6 @@
 # flaxformer_lite — set-up, tests and the demo. Every target installs what it needs.
 #   make demo       train/run the default experiment (see README)
-#   make test       the default suite: corpora, browser (if it can be had), tests
+#   make test       the default suite: corpora, browser and SLURM (if they can be had), tests
 #   make test-all   the whole suite, runs marked slow included (what CI runs)
 
 PYTHON ?= python3
@@ -16,7 +16,7 @@ TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST := $(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-.PHONY: setup extras prepare browser test test-all test-slow test-gpu gpu-bundle demo bench lint format clean
+.PHONY: setup extras prepare browser slurm test test-all test-slow test-gpu gpu-bundle demo bench lint format clean
 
 setup: $(STAMP)
 
@@ -57,11 +57,11 @@ $(EXTRAS): $(STAMP)
 # The tests read the real corpora too (their parsers on the real packages): set-up
 # fetches them, so that a broken data path fails instead of being skipped. The
 # browser is tried; where it cannot be installed its one test is skipped.
-test: setup extras prepare browser
+test: setup extras prepare browser slurm
 	@start=$$(date +%s); $(PYTEST) -m "not slow"; status=$$?; \
 	  echo "make test: $$(( $$(date +%s) - start )) s of tests ($(TEST_WORKERS) workers)"; exit $$status
 
-test-all: setup extras prepare browser
+test-all: setup extras prepare browser slurm
 	@start=$$(date +%s); $(PYTEST); status=$$?; \
 	  echo "make test-all: $$(( $$(date +%s) - start )) s of tests ($(TEST_WORKERS) workers)"; exit $$status
 
@@ -82,6 +82,14 @@ browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "chromium could not be installed: the browser test will be skipped"
+
+# Debian's SLURM (controller, node daemon, client) and munge, for the tests that run a
+# sweep's jobs on a one-node cluster they start (skipped without them).
+slurm:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+	  slurm-wlm munge >/dev/null; } || \
+	  echo "SLURM could not be installed: the SLURM sweep tests will be skipped"
 
 # Fetch the corpora's Debian packages (apt-get download) unless already extracted.
 prepare: setup

@@ -64,15 +64,9 @@ _WINDOW = flags.DEFINE_float(
     "average: the late share of the run's steps to take checkpoints from "
     "(default: the run's train.final_window, 0.25; 1 = any kept checkpoint).",
 )
-_VALIDATE = flags.DEFINE_bool(
-    "validate",
-    True,
-    "average: keep the mean only if its validation loss is no worse than "
-    "the newest checkpoint's alone (else keep that checkpoint).",
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "train on several processes: process 0's host:port."
-)
+_VALIDATE = flags.DEFINE_bool("validate", True, "average: keep the mean only if its validation "
+                              "loss is no worse than the newest checkpoint's alone.")  # fmt: skip
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "train: process 0's host:port.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "train: how many processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "train: this process's index.")
 _DISTRIBUTED = flags.DEFINE_bool(
@@ -129,6 +123,8 @@ _SWEEP = flags.DEFINE_multi_string(
 )
 _SEEDS = flags.DEFINE_integer("seeds", 3, "sweep: runs per point, seeds train.seed + 0..N-1.")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "sweep: runs at a time.")
+_WAIT = flags.DEFINE_bool("wait", False, "sweep on SLURM: wait for the jobs, then report.")
+_STATUS = flags.DEFINE_bool("status", False, "sweep: say where each run is; start nothing.")
 _BASELINE = flags.DEFINE_string(
     "baseline", "", "sweep: a point (e.g. model.ffn=standard) the report tests the others against."
 )
@@ -162,6 +158,7 @@ DECODE = ("beam_size", "alpha", "no_repeat_ngram", "min_length_ratio", "max_leng
 PROCESSES = ("coordinator_address", "num_processes", "process_id", "distributed",
              "heartbeat_timeout")  # fmt: skip
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+SWEEPING = ("wait", "status", *DECODE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +276,7 @@ COMMANDS = {
     "diagnostics": Command(_diagnostics, ("pattern", "input", "output", *DECODE), texts=True),
     "sweep": Command(
         lambda texts: _sweep(),
-        ("config", "sweep", "seeds", "parallel", "baseline", "split", "limit", *DECODE),
+        ("config", "sweep", "seeds", "parallel", "baseline", "split", "limit", *SWEEPING),
     ),  # fmt: skip
     "fields": Command(_fields, ("config",), workdir=False),
 }
@@ -393,6 +390,7 @@ def _sweep() -> None:
         dict(config_flags.get_override_values(config_flag)), _WORKDIR.value,
         split=_SPLIT.value, limit=_LIMIT.value, parallel=_PARALLEL.value, baseline=_BASELINE.value,
         decode_flags=tuple(f"--{k}={v}" for k, v in _decode_options().items() if v is not None),
+        wait=_WAIT.value, status=_STATUS.value,
     )  # fmt: skip
 
 

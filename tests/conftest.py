@@ -139,6 +139,7 @@ FILE_SECONDS = {
     "test_transformer.py": 50,
     "test_sparse.py": 49,
     "test_gcs.py": 40,
+    "test_slurm.py": 30,
     "test_synthetic.py": 32,
     "test_generate.py": 32,
     "test_bad_inputs.py": 31,

@@ -14,7 +14,8 @@ import pytest
 from flaxformer_lite.data import tokenizer as tok
 from flaxformer_lite.data.assembly import check_corpus
 from flaxformer_lite.data.files import CorpusError
-from flaxformer_lite.sweep.runner import _claim_folder, _recorded
+from flaxformer_lite.sweep.rows import recorded as _recorded
+from flaxformer_lite.sweep.runner import _claim_folder
 from flaxformer_lite.sweep.spec import Sweep, SweepError, parse_axis
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from flaxformer_lite.workdir.folder import read_config

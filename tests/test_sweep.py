@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from flaxformer_lite.sweep import rows
 from flaxformer_lite.sweep import runner as sweep
 from flaxformer_lite.sweep.report import summarize
 from flaxformer_lite.sweep.spec import Axis, Sweep, SweepError, parse_axis
@@ -178,7 +179,7 @@ def test_a_finished_run_is_read_back_not_run_again(tmp_path, monkeypatch):
     run = spec.runs()[1]
     row = {"run": run.folder, "status": "ok", "steps": 6, "valid_nll": 1.5}
     (tmp_path / run.folder).mkdir(parents=True)
-    (tmp_path / run.folder / sweep.RESULT_FILE).write_text(json.dumps(row))
+    (tmp_path / run.folder / rows.RESULT_FILE).write_text(json.dumps(row))
     monkeypatch.setattr(sweep, "_run_logged", lambda *a: pytest.fail("a finished run ran"))
     assert sweep.execute(spec, run, tmp_path) == row
 

@@ -33,6 +33,7 @@ from flaxformer_lite.config.fields import (
     Section,
     option,
 )
+from flaxformer_lite.config.launch import LaunchConfig
 from flaxformer_lite.config.mesh import DEFAULT_MESH
 from flaxformer_lite.config.model import ConfigError, ModelConfig
 
@@ -353,6 +354,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "optimizer": OptimizerConfig,
     "decode": DecodeConfig,
+    "launch": LaunchConfig,
 }
 
 
@@ -365,6 +367,7 @@ class ExperimentConfig:
     train: TrainConfig = TrainConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     decode: DecodeConfig = DecodeConfig()
+    launch: LaunchConfig = LaunchConfig()  # a sweep's launcher (config/launch.py)
 
     def __post_init__(self):
         rules.check_experiment(self)

@@ -1,6 +1,6 @@
 """A sweep's tables: ``results.md``, mean ± sample std over the seeds of each point.
 
-The columns (:data:`METRICS`) are what :func:`~flaxformer_lite.sweep.runner.measure`
+The columns (:data:`METRICS`) are what :func:`~flaxformer_lite.sweep.rows.measure`
 and the evaluation put in each run's row of ``results.jsonl``.
 """
 

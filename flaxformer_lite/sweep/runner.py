@@ -35,15 +35,9 @@ value that holds commas (a sparse pattern, ``data.train_splits``) goes in a JSON
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
-import math
-import os
-import shlex
 import signal
-import statistics
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -52,27 +46,21 @@ import jax
 
 from flaxformer_lite.config import trust
 from flaxformer_lite.config.experiment import ExperimentConfig
-from flaxformer_lite.config.fields import ConfigError, json_of
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.builders import LOCAL_BUILDERS, build_local_dataset
-from flaxformer_lite.inference.run import Run
-from flaxformer_lite.sweep import significance
+from flaxformer_lite.sweep import logs, rows, significance, slurm
 from flaxformer_lite.sweep.record import RESULTS_JSONL, SPEC_FILE
-from flaxformer_lite.sweep.report import METRICS, summarize
+from flaxformer_lite.sweep.report import summarize
 from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError, parse_axis
-from flaxformer_lite.training.flops import train_step_flops
-from flaxformer_lite.training.logging import summary_writer_class
 from flaxformer_lite.workdir import location
-from flaxformer_lite.workdir.folder import read_config
 
-RESULT_FILE = "sweep_result.json"  # in a run's folder: the run is finished
 RESULTS_MD = "results.md"
 
 
 def _claim_folder(sweep: Sweep, workdir: location.Path) -> None:
     spec_file = workdir / SPEC_FILE
     if spec_file.is_file():
-        old = _json(spec_file, dict)
+        old = rows.read_json(spec_file, dict)
         for key in ("config", "overrides"):
             if old.get(key) != sweep.to_json()[key]:
                 raise SweepError(
@@ -86,23 +74,6 @@ def _claim_folder(sweep: Sweep, workdir: location.Path) -> None:
         )
     workdir.mkdir(parents=True, exist_ok=True)
     location.write_atomic(spec_file, json.dumps(sweep.to_json(), indent=2))
-
-
-def _json(path, shape: type):
-    """A sweep's or run's JSON file, read as data of its one shape (else a SweepError
-    naming the file and the fix)."""
-    try:
-        return json_of(path.read_text(), shape, str(path))
-    except ConfigError as e:
-        raise SweepError(f"{e}; restore it, or delete it to run that part again") from None
-
-
-def _row(line: str, path) -> dict[str, Any]:
-    """One line of a JSON-lines file, a dict (else a SweepError naming the file)."""
-    try:
-        return json_of(line, dict, f"a line of {path}")
-    except ConfigError as e:
-        raise SweepError(f"{e}; restore the file") from None
 
 
 class SweepInterrupted(SweepError):
@@ -148,37 +119,10 @@ _CHILDREN = _Children()
 
 
 def _run_logged(command: list[str], log: location.Path, env: dict[str, str] | None) -> int:
-    """Run ``command`` with its output appended to ``log``. A bucket's log is written to
-    a local copy while the command runs (an object cannot grow), then uploaded."""
-    local = _local_log(log)
-    try:
-        with open(local, "a") as out:
-            out.write(f"$ {shlex.join(command)}\n")
-            out.flush()
-            return _CHILDREN.run(command, out, env)
-    finally:
-        if location.is_remote(log):
-            with open(local, "rb") as f:
-                log.write_bytes(f.read())
+    return logs.run_logged(command, log, env, start=_CHILDREN.run)
 
 
-def _local_log(log: location.Path) -> str:
-    """The local file a log is appended to: itself, or for a bucket's log a copy in this
-    machine's cache (started from the bucket's, so a resumed run's log keeps its past)."""
-    if not location.is_remote(log):
-        return location.local(log)
-    folder = location.cache_folder("logs", hashlib.sha256(str(log).encode()).hexdigest()[:24])
-    local = os.path.join(folder, log.name)
-    if not os.path.exists(local):
-        with open(local, "wb") as f:
-            f.write(log.read_bytes() if log.exists() else b"")
-    return local
-
-
-def _tail(log: location.Path, lines: int = 3) -> str:
-    local = _local_log(log) if location.is_remote(log) else location.local(log)
-    text = open(local, errors="replace").read() if os.path.isfile(local) else ""
-    return " | ".join(t.strip() for t in text.strip().splitlines()[-lines:])
+_tail = logs.tail
 
 
 def execute(
@@ -191,109 +135,28 @@ def execute(
     """Train (or resume) one run, score it, and return its row; a finished run's row is
     read back from its ``sweep_result.json``, or is ``recorded`` (its row in the sweep's
     ``results.jsonl``, where the run folder itself is gone: an experiment's record)."""
-    folder = workdir / spec.folder
-    done = folder / RESULT_FILE
-    if done.is_file():
-        return _json(done, dict)
-    if recorded is not None and recorded.get("status") == "ok":
-        return recorded
+    finished = rows.finished_row(workdir, spec, recorded)
+    if finished is not None:
+        return finished
     if _CHILDREN.stopping:  # the sweep is being interrupted: start nothing new
         return {"run": spec.folder, "status": "failed", "error": "interrupted"}
-    folder.mkdir(parents=True, exist_ok=True)
-    command = sweep.command(spec, workdir)
-    (folder / "command.txt").write_text(shlex.join(command) + "\n")
+    folder = workdir / spec.folder
+    command, score = rows.prepare(sweep, spec, workdir)
     start = time.perf_counter()
-    row = {"run": spec.folder, "overrides": spec.overrides, "seed": spec.seed}
     if _run_logged(command, folder / "train.log", env):
-        return {**row, "status": "failed", "error": _tail(folder / "train.log")}
-    if _CHILDREN.stopping or "stopped by SIG" in _tail(folder / "train.log", 2):
+        return rows.failed_row(spec, _tail(folder / "train.log"))
+    if _CHILDREN.stopping or logs.PREEMPTED in _tail(folder / "train.log", 2):
         # A preempted run checkpoints and exits 0 without finishing: not a result.
-        return {**row, "status": "failed", "error": "interrupted"}
-    config = read_config(folder)  # with the run's copies of its extensions
-    scores = {}
-    if sweep.split and config.data.task != "lm":  # BLEU, or a generated task's accuracy
-        evaluate = [
-            sys.executable,
-            "-m",
-            "flaxformer_lite.main",
-            "evaluate",
-            f"--workdir={folder}",
-            f"--split={sweep.split}",
-            f"--limit={sweep.limit}",
-            "--trust_extensions",  # its own runs: the code the sweep's config trained
-            *sweep.decode_flags,
-        ]
-        if _run_logged(evaluate, folder / "evaluate.log", env):
-            return {**row, "status": "failed", "error": _tail(folder / "evaluate.log")}
-        scores = _json(folder / f"{sweep.split}_scores.json", dict)
-    minutes = (time.perf_counter() - start) / 60
-    attempts = folder / "sweep_minutes.json"  # wall time over interrupted attempts
-    earlier = _json(attempts, list) if attempts.is_file() else []
-    attempts.write_text(json.dumps([*earlier, minutes]))
-    row.update(measure(folder, config))
-    row["wall_minutes"] = sum(earlier) + minutes
-    for key in ("bleu", "chrf", "accuracy", "accuracy_by_group"):
-        if key in scores:
-            row[f"{sweep.split}_{key}"] = scores[key]
-    row["status"] = "ok"
-    location.write_atomic(done, json.dumps(row, indent=2))
-    _hparams(workdir, sweep, spec, row)
-    return row
-
-
-def measure(folder: location.Path, config: ExperimentConfig) -> dict[str, Any]:
-    """Size, cost and the best validation metrics of a finished run's folder."""
-    params = Run(folder, config).abstract_params
-    d, t = config.data, config.train
-    text = (folder / "metrics.jsonl").read_text()
-    records = [_row(line, folder / "metrics.jsonl") for line in text.splitlines() if line.strip()]
-    train = [r for r in records if r["split"] == "train"]
-    valid = [r for r in records if r["split"] == "validation" and math.isfinite(r["nll"])]
-    # The first window holds the compilation; the median ignores it once there are three.
-    speeds = [r["tokens_per_sec"] for r in train]
-    best = min(valid, key=lambda r: r["nll"]) if valid else {}
-    out = {
-        "parameters": int(sum(x.size for x in jax.tree.leaves(params))),
-        "flops_per_step": train_step_flops(
-            config.model, t.batch_size, d.max_length, d.max_length, d.task
-        ),
-        "tokens_per_sec": statistics.median(speeds) if speeds else None,
-        "steps": max((r["step"] for r in train), default=0),
-        "best_step": best.get("step"),
-        "valid_nll": best.get("nll"),
-        "valid_accuracy": best.get("accuracy"),
-        "valid_perplexity": best.get("perplexity"),
-    }
-    if "bleu" in best:
-        out["valid_greedy_bleu"] = best["bleu"]
-    return out
-
-
-def _hparams(workdir: location.Path, sweep: Sweep, spec: RunSpec, row: dict[str, Any]) -> None:
-    """One TensorBoard HParams entry per finished run (written once, when it finishes)."""
-    hparams = {a.name: _tb_value(spec.overrides[a.fields[0]]) for a in sweep.axes}
-    hparams["seed"] = spec.seed
-    metrics = {
-        f"hparam/{k}": float(v)
-        for k, v in row.items()
-        if k in METRICS and isinstance(v, int | float) and v is not None
-    }
-    with _HPARAMS, summary_writer_class()(str(workdir / "tensorboard")) as writer:
-        writer.add_hparams(hparams, metrics, name=spec.folder)
-
-
-# One HParams writer at a time: --parallel runs finishing together each made the sweep's
-# tensorboard/ folder (tensorboardX makes it unless it exists), and one of them failed.
-_HPARAMS = threading.Lock()
-
-
-def _tb_value(value: Any) -> Any:
-    return value if isinstance(value, int | float | str | bool) else str(value)
+        return rows.failed_row(spec, "interrupted")
+    if score and _run_logged(score, folder / "evaluate.log", env):
+        return rows.failed_row(spec, _tail(folder / "evaluate.log"))
+    return rows.collect(sweep, spec, workdir, (time.perf_counter() - start) / 60)
 
 
 def sweep_main(
     config: str, axes: list[str], seeds: int, overrides: dict, workdir: str, *,
     split: str, limit: int, parallel: int, decode_flags: tuple[str, ...], baseline: str = "",
+    wait: bool = True, status: bool = False,
 ) -> None:  # fmt: skip
     """``main sweep``: the grid of ``axes`` (``section.field=v1,v2``) over ``config`` with
     its ``overrides``, run in ``workdir``; a SweepError names the runs that failed.
@@ -308,41 +171,66 @@ def sweep_main(
         overrides=overrides, split=split, limit=limit, decode_flags=decode_flags,
         baseline=baseline,
     )  # fmt: skip
-    rows = run_sweep(spec, workdir, parallel=parallel)
-    failed = [r["run"] for r in rows if r.get("status") != "ok"]
+    results = run_sweep(spec, workdir, parallel=parallel, wait=wait, status=status)
+    if results is None:  # jobs submitted and not waited for, or only a status
+        return
+    failed = [r["run"] for r in results if r.get("status") != "ok"]
     print(f"results: {workdir}/{RESULTS_MD}, {workdir}/{RESULTS_JSONL}, {workdir}/results.png")
     if failed:
         raise SweepError(
-            f"{len(failed)} of {len(rows)} runs failed: {', '.join(failed)} (see their train.log)"
+            f"{len(failed)} of {len(results)} runs failed: {', '.join(failed)} (see their "
+            "train.log)"
         )
 
 
 def run_sweep(
-    sweep: Sweep, workdir, parallel: int = 1, env: dict[str, str] | None = None
-) -> list[dict[str, Any]]:
+    sweep: Sweep,
+    workdir,
+    parallel: int = 1,
+    env: dict[str, str] | None = None,
+    *,
+    wait: bool = True,
+    status: bool = False,
+) -> list[dict[str, Any]] | None:
     """Run (or resume) every run of ``sweep`` in ``workdir``; write the reports; return
     the rows in grid order. Raises SweepError before anything runs if the spec is bad.
 
-    ``env``: the runs' environment (default: this process's).
+    ``env``: the runs' environment (default: this process's). With
+    ``config.launch.launcher=slurm`` the runs are submitted as jobs
+    (:mod:`~flaxformer_lite.sweep.slurm`): without ``wait`` this returns None once they
+    are; ``status`` only says where each run is (None).
     """
     if parallel < 1:
         raise SweepError(f"--parallel={parallel} must be >= 1")
     workdir = location.path(workdir)
     runs = sweep.validate()
+    launch = ExperimentConfig.from_config(sweep.base()).launch
+    if launch.launcher == "slurm":
+        slurm.check_tools()
     _claim_folder(sweep, workdir)
+    if launch.launcher == "slurm":
+        ordered = slurm.sweep_rows(sweep, runs, workdir, launch, wait=wait, status=status)
+        if ordered is not None:
+            report(sweep, runs, ordered, workdir)
+        return ordered
+    if status:
+        recorded = rows.recorded(workdir)
+        for r in runs:
+            print(f"{r.folder}: {'done' if _finished(workdir, r, recorded) else 'not finished'}")
+        return None
     data = sweep.base().data
     if parallel > 1 and data.dataset in LOCAL_BUILDERS:
         build_local_dataset(data.dataset, data.data_dir)  # once, not by racing runs
     elif parallel > 1 and synthetic.parse(data.dataset) is not None:
         synthetic.build(data.dataset, data.data_dir)
-    recorded = _recorded(workdir)
+    recorded = rows.recorded(workdir)
     finished = sum(_finished(workdir, r, recorded) for r in runs)
     print(
         f"sweep: {len(runs)} runs ({len(runs) // sweep.seeds} points x {sweep.seeds} seeds) "
         f"in {workdir}; {finished} finished before, {parallel} at a time",
         flush=True,
     )
-    rows: dict[str, dict] = {}
+    by_run: dict[str, dict] = {}
     on_main_thread = threading.current_thread() is threading.main_thread()
     if on_main_thread:  # SIGTERM (a scheduler's preemption) ends the sweep like Ctrl-C
         previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -354,8 +242,8 @@ def run_sweep(
         for future in concurrent.futures.as_completed(futures):
             spec = futures[future]
             row = future.result()
-            rows[spec.folder] = row
-            print(f"[{len(rows)}/{len(runs)}] {_line(row)}", flush=True)
+            by_run[spec.folder] = row
+            print(f"[{len(by_run)}/{len(runs)}] {_line(row)}", flush=True)
     except KeyboardInterrupt:
         pool.shutdown(wait=False, cancel_futures=True)  # no queued run starts
         _CHILDREN.stop()  # the running ones end (and resume from checkpoints later)
@@ -370,7 +258,13 @@ def run_sweep(
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
         _CHILDREN.stopping = False
-    ordered = [rows[r.folder] for r in runs]
+    ordered = [by_run[r.folder] for r in runs]
+    report(sweep, runs, ordered, workdir)
+    return ordered
+
+
+def report(sweep: Sweep, runs: list[RunSpec], ordered: list[dict], workdir) -> None:
+    """results.jsonl, results.md (with the baseline's significance) and results.png."""
     location.write_atomic(workdir / RESULTS_JSONL, "".join(json.dumps(r) + "\n" for r in ordered))
     text = summarize(sweep, ordered)
     baseline, verdicts = None, None
@@ -381,22 +275,10 @@ def run_sweep(
         text += section
     location.write_atomic(workdir / RESULTS_MD, text)
     significance.figure(ordered, baseline, sweep.split, workdir, verdicts)
-    return ordered
-
-
-def _recorded(workdir: location.Path) -> dict[str, dict[str, Any]]:
-    """The finished rows of the sweep's ``results.jsonl``, by run folder: runs it need
-    not repeat even where their folders are gone (an experiment keeps its results, not
-    its run folders)."""
-    path = workdir / RESULTS_JSONL
-    if not path.is_file():
-        return {}
-    rows = [_row(line, path) for line in path.read_text().splitlines() if line.strip()]
-    return {r["run"]: r for r in rows if r.get("status") == "ok"}
 
 
 def _finished(workdir: location.Path, spec: RunSpec, recorded: dict[str, dict]) -> bool:
-    return (workdir / spec.folder / RESULT_FILE).is_file() or spec.folder in recorded
+    return (workdir / spec.folder / rows.RESULT_FILE).is_file() or spec.folder in recorded
 
 
 def _interrupt(signum, frame):

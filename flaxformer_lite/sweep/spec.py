@@ -248,9 +248,20 @@ class Sweep:
                 raise SweepError(f"--sweep point {shown}: {e}") from None
         return runs
 
+    def score_command(self, spec: RunSpec, workdir) -> list[str]:
+        """The ``evaluate`` command of one run (what its ``score.txt`` says)."""
+        return [
+            sys.executable, "-m", "flaxformer_lite.main", "evaluate",
+            f"--workdir={workdir / spec.folder}", f"--split={self.split}",
+            f"--limit={self.limit}",
+            "--trust_extensions",  # its own runs: the code the sweep's config trained
+            *self.decode_flags,
+        ]  # fmt: skip
+
     def command(self, spec: RunSpec, workdir) -> list[str]:
-        """The ``train`` command of one run (what its ``command.txt`` says)."""
-        values = {**self.overrides, **spec.overrides, "train.seed": spec.seed}
+        """The ``train`` command of one run (what its ``command.txt`` says): the run's own
+        overrides, not the sweep's launch settings (``config.launch``)."""
+        values = {**self.run_overrides, **spec.overrides, "train.seed": spec.seed}
         return [
             sys.executable,
             "-m",
@@ -260,10 +271,16 @@ class Sweep:
             f"--workdir={workdir / spec.folder}",
         ]
 
+    @property
+    def run_overrides(self) -> dict[str, Any]:
+        """The base overrides that make the runs (all but ``launch.*``, which say where
+        they run: a sweep may move between launchers and keep its runs)."""
+        return {k: v for k, v in self.overrides.items() if not k.startswith("launch.")}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "config": self.config,
-            "overrides": self.overrides,
+            "overrides": self.run_overrides,
             "axes": {a.field: list(a.values) for a in self.axes},
             "seeds": self.seeds,
             "split": self.split,

@@ -1,0 +1,76 @@
+"""One task of a sweep's SLURM job array: one run, trained (or resumed), then scored.
+
+    python -m flaxformer_lite.sweep.job RUNS_FILE PROCESSES SCORE
+
+``RUNS_FILE`` lists the array's run folders, a line each: task ``i`` (SLURM's
+``SLURM_ARRAY_TASK_ID``) runs line ``i + 1``: its ``command.txt`` through ``srun``
+(``PROCESSES`` > 1: that many processes with ``--distributed``; JAX reads SLURM's
+variables), its output appended to the run's ``train.log``; then, with ``SCORE`` =
+``job``, its ``score.txt`` (``evaluate.log``). Training is a job step, so a SIGTERM
+that SLURM sends to the job's steps (``--signal`` before the time limit, ``scancel
+--signal=TERM``, a preemption) reaches it: it saves a checkpoint and stops, and the
+task requeues itself, to resume from that checkpoint. Each attempt's wall minutes go
+to the run's ``sweep_minutes.json``; a finished task writes ``sweep_job.json``, which
+tells the sweep the run is ready to collect. Imports nothing that loads JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from flaxformer_lite.sweep import logs
+from flaxformer_lite.workdir import location
+
+DONE_FILE = "sweep_job.json"  # in a run's folder: its job trained (and scored) it
+
+
+def _minutes(folder, started: float) -> None:
+    """Add this attempt's wall minutes to the run's record of its attempts."""
+    path = folder / "sweep_minutes.json"
+    spent = json.loads(path.read_text()) if path.exists() else []
+    spent = spent if isinstance(spent, list) else []
+    location.write_atomic(path, json.dumps([*spent, (time.time() - started) / 60]))
+
+
+def _task_id() -> str:
+    return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+
+
+def main(argv: list[str]) -> int:
+    runs_file, processes, score = argv[0], int(argv[1]), argv[2]
+    index = int(os.environ["SLURM_ARRAY_TASK_ID"])
+    folder = location.path(location.path(runs_file).read_text().splitlines()[index])
+    started = time.time()
+    command = shlex.split((folder / "command.txt").read_text())
+    if processes > 1:
+        command.append("--distributed")
+    step = ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", *command]
+    code = logs.run_logged(step, folder / "train.log")
+    if code:
+        _minutes(folder, started)
+        return code  # the sweep reports the log's tail
+    if logs.PREEMPTED in logs.tail(folder / "train.log", 2):
+        _minutes(folder, started)  # saved, not finished: again, from its checkpoint
+        print(f"{folder}: stopped early and saved; requeued to resume", flush=True)
+        subprocess.call(["scontrol", "requeue", _task_id()])
+        return 0
+    scored = score == "job" and (folder / "score.txt").exists()
+    if scored:
+        evaluate = shlex.split((folder / "score.txt").read_text())
+        code = logs.run_logged(["srun", "--ntasks=1", *evaluate], folder / "evaluate.log")
+        if code:
+            _minutes(folder, started)
+            return code
+    _minutes(folder, started)
+    record = {"job": _task_id(), "scored": scored, "finished": time.time()}
+    location.write_atomic(folder / DONE_FILE, json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
