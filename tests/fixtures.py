@@ -232,18 +232,23 @@ def trained_translation_run(tmp_path_factory, fixture_data) -> Path:
     return shared_folder(tmp_path_factory, "translation-run", build) / "run"
 
 
-def kill_when(child, ready: Callable[[], bool], timeout: float = 120) -> None:
-    """SIGKILL ``child`` (a Popen) as soon as ``ready()``; fails if it ends first."""
+def kill_when(
+    child, ready: Callable[[], bool], timeout: float = 120, moment: str = "", poll: float = 0.05
+) -> None:
+    """SIGKILL ``child`` (a Popen) as soon as ``ready()`` (looked at every ``poll``
+    seconds); fails, naming the ``moment`` it awaited, if it ends first."""
     import signal
     import time
 
     deadline = time.monotonic() + timeout
     while not ready():
-        assert child.poll() is None, "the child ended before it could be killed"
-        assert time.monotonic() < deadline, f"not ready after {timeout} s"
-        time.sleep(0.05)
+        if child.poll() is not None:
+            err = child.communicate()[1] if child.stderr else ""
+            raise AssertionError(f"the child ended before {moment or 'it was killed'}: {err}")
+        assert time.monotonic() < deadline, f"not at {moment or 'the moment'} after {timeout} s"
+        time.sleep(poll)
     child.send_signal(signal.SIGKILL)
-    child.wait()
+    child.communicate()
 
 
 def triton_lowering(loss, *shapes) -> str:

@@ -73,15 +73,7 @@ def _start_and_train(fixture_data, workdir, steps: int):
 def _kill_when(fixture_data, workdir, ready, moment: str):
     """Start a run of STEPS steps and SIGKILL it as soon as ``ready()`` holds."""
     proc = _start(fixture_data, workdir, STEPS)
-    deadline = time.monotonic() + 180
-    while proc.poll() is None:
-        if ready():
-            proc.send_signal(signal.SIGKILL)
-            break
-        assert time.monotonic() < deadline, f"the run never reached {moment}"
-        time.sleep(0.0005)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before {moment}"
+    fixtures.kill_when(proc, ready, 180, moment, poll=0.0005)
 
 
 def _train_steps_logged(workdir) -> int:

@@ -12,7 +12,6 @@ an uninterrupted local run), and a 2-process run.
 import json
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
@@ -62,18 +61,10 @@ def _cli(fixture_data, *args, cwd=ROOT, env=None, check=True):
     return out
 
 
-def _kill_when(command, env, ready, moment: str, timeout: float = 240) -> None:
+def _kill_when(command, env, ready, moment: str) -> None:
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        if ready():
-            proc.send_signal(signal.SIGKILL)
-            break
-        assert time.monotonic() < deadline, f"the run never reached {moment}"
-        time.sleep(0.02)
-    _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended before {moment}: {err[-2000:]}"
+    fixtures.kill_when(proc, ready, 240, moment, poll=0.02)
 
 
 def _no_local_gs_folder(*folders) -> None:
