@@ -197,6 +197,10 @@ def test_files_and_folders_in_a_bucket(gcs):
     again.write("c\n")
     again.close()
     assert (root / "metrics.jsonl").read_text() == "a\nb\nc\n"
+    from flaxformer_lite.sweep import logs  # a sweep's log in a bucket: appended, read back
+
+    assert logs.run_logged([sys.executable, "-c", "print('\\xe9t\\xe9')"], root / "x.log") == 0
+    assert logs.tail(root / "x.log", 1) == "été"
     location.write_atomic(root / "staging/sub/x.txt", "x")
     location.write_atomic(root / "staging/done.txt", "done")
     location.write_atomic(root / "target/old.txt", "old")

@@ -57,7 +57,7 @@ def local_log(log: location.Path) -> str:
 def tail(log: location.Path, lines: int = 3) -> str:
     """The last ``lines`` lines of a log, joined by `` | `` ('' for none)."""
     if location.is_remote(log):
-        text = log.read_text(errors="replace") if log.exists() else ""
+        text = log.read_bytes().decode("utf-8", "replace") if log.exists() else ""
     else:
         local = location.local(log)
         text = open(local, errors="replace").read() if os.path.isfile(local) else ""
