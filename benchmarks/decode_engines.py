@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite.data import sources  # noqa: E402
-from flaxformer_lite.inference import decoding, export, programs  # noqa: E402
+from flaxformer_lite.exchange import export  # noqa: E402
+from flaxformer_lite.inference import decoding, programs  # noqa: E402
 from flaxformer_lite.inference.ahead import default_streams  # noqa: E402
 from flaxformer_lite.inference.continuous import beam_continuous, greedy_continuous  # noqa: E402
 from flaxformer_lite.inference.evaluation import corpus_scores  # noqa: E402

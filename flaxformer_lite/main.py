@@ -194,7 +194,7 @@ def _average(texts: list[str]) -> None:
 
 
 def _export(texts: list[str]) -> None:
-    from flaxformer_lite.inference.export import export_workdir
+    from flaxformer_lite.exchange.export import export_workdir
 
     export_workdir(_WORKDIR.value, _FORMAT.value, _OUT.value)
 
@@ -224,15 +224,15 @@ def _generate(texts: list[str]) -> None:
 
 
 def _attention(texts: list[str]) -> None:
-    from flaxformer_lite.inference import attention_maps
+    from flaxformer_lite.views import attention_maps
 
     attention_maps.main(_WORKDIR.value, texts, _OUTPUT.value, _TARGET.value, **_decode_options())
 
 
 def _diagnostics(texts: list[str]) -> None:
-    from flaxformer_lite.inference import streaming
+    from flaxformer_lite.views import diagnostics
 
-    streaming.diagnostics_main(
+    diagnostics.main(
         _WORKDIR.value, texts, _INPUT.value, _PATTERN.value, _OUTPUT.value, **_decode_options()
     )
 

@@ -17,10 +17,10 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from flaxformer_lite.inference import attention_maps as am
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.model import head_groups as sparse
 from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.views import attention_maps as am
 from tests.fixtures import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

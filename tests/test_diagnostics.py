@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.inference import diagnostics
 from flaxformer_lite.model.multihead import MultiHeadAttention
 from flaxformer_lite.model.partitioning import unbox
+from flaxformer_lite.views import diagnostics
 
 
 def _weights():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.inference import decoding, export, hf_import
+from flaxformer_lite.exchange import export, hf_import
+from flaxformer_lite.inference import decoding
 from flaxformer_lite.model.transformer import Transformer
 
 torch = pytest.importorskip("torch")

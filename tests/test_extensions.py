@@ -21,7 +21,7 @@ from flaxformer_lite import Transformer
 from flaxformer_lite.config import ConfigError, ExperimentConfig, extensions, trust
 from flaxformer_lite.config.files import field_table
 from flaxformer_lite.config.model import ModelConfig
-from flaxformer_lite.inference import export
+from flaxformer_lite.exchange import export
 from flaxformer_lite.model.partitioning import unbox
 
 LAB = """

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.data.tokenizer import Tokenizer
-from flaxformer_lite.inference import export, hf_import
+from flaxformer_lite.exchange import export, hf_import
 from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.model.transformer import Transformer
 

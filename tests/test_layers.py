@@ -7,10 +7,11 @@ folder and those below; each folder's ``__init__`` docstring says the same):
   1  config/      fields, the model section, experiment sections, rules
   2  data/, workdir/   corpora and pipeline; the run folder on disk
   3  model/       components, the Transformer and LM, partitioning
-  4  inference/   decoding, translate, evaluation, averaging, pictures
-  5  training/    the loop and its parts
-  6  sweep/       grids of runs, as subprocesses
-  7  main         the command line
+  4  inference/   decoding, translate, evaluation, averaging
+  5  exchange/, views/   models in and out; attention maps and statistics
+  6  training/    the loop and its parts
+  7  sweep/       grids of runs, as subprocesses or jobs
+  8  main         the command line
 
 A new module inside a folder touches neither this test nor the README, whose
 architecture section states the same order in one line (``0 `sparse/` → …``) and
@@ -33,9 +34,11 @@ LAYERS = {
     "workdir": 2,
     "model": 3,
     "inference": 4,
-    "training": 5,
-    "sweep": 6,
-    "main": 7,
+    "exchange": 5,
+    "views": 5,
+    "training": 6,
+    "sweep": 7,
+    "main": 8,
 }
 # main.py defers its imports into the command it runs, so `--help` and a config error
 # answer before JAX loads; everywhere else an import inside a function hides an edge.

@@ -40,9 +40,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite.data.sources import load_texts  # noqa: E402
-from flaxformer_lite.inference import diagnostics  # noqa: E402
-from flaxformer_lite.inference.attention_maps import attention_maps  # noqa: E402
 from flaxformer_lite.inference.translate import Translator  # noqa: E402
+from flaxformer_lite.views import diagnostics  # noqa: E402
+from flaxformer_lite.views.attention_maps import attention_maps  # noqa: E402
 
 WINDOWS = (1, 2, 4, 8, 16)
 TOPK = (1, 2, 4, 8, 16)

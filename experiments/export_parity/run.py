@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite.data import sources  # noqa: E402
-from flaxformer_lite.inference import export  # noqa: E402
+from flaxformer_lite.exchange import export  # noqa: E402
 from flaxformer_lite.inference.evaluation import corpus_scores  # noqa: E402
 from flaxformer_lite.inference.translate import Translator  # noqa: E402
 

@@ -12,9 +12,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
-from flaxformer_lite.inference import diagnostics
 from flaxformer_lite.inference.translate import TranslateError, Translator, one_line
-from flaxformer_lite.workdir import location
 
 CHUNK = 1024  # lines read, translated and written at a time (a multiple of batch sizes)
 
@@ -131,20 +129,3 @@ def generate_main(
         done += len(chunk)
     _summary(report, "prompts", generator.config.max_len)
     return 0
-
-
-def diagnostics_main(workdir, texts, input_path, patterns, output, **decode_options) -> None:
-    """``main diagnostics``: per-head attention statistics of a run over some texts."""
-    lines = read_lines(list(texts), input_path, "texts", Counter())
-    texts = [t for t in lines if t.strip()]
-    translator = Translator.from_workdir(workdir)
-    stats = diagnostics.run_stats(translator, texts, patterns, **decode_options)
-    if output:
-        output = location.check(output, "--output")
-    else:
-        output = location.path(workdir) / "diagnostics" / "attention_stats"
-    diagnostics.write_report(
-        stats, output, f"{workdir}: attention statistics over {len(texts)} text(s)"
-    )
-    print(diagnostics.table(stats))
-    print(f"wrote {output}.md, .json and .png")

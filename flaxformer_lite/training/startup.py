@@ -23,8 +23,8 @@ from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.mesh import MeshError
 from flaxformer_lite.data import assembly, packing, pipeline
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
-from flaxformer_lite.inference import hf_import
-from flaxformer_lite.inference.export import REGISTERED, ExportError
+from flaxformer_lite.exchange import hf_import
+from flaxformer_lite.exchange.export import REGISTERED, ExportError
 from flaxformer_lite.model.build import attention_kernels
 from flaxformer_lite.model.partitioning import check_model
 from flaxformer_lite.training import distributed, preemption

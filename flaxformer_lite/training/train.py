@@ -15,7 +15,6 @@ import jax
 from flaxformer_lite.config import extensions
 from flaxformer_lite.config.experiment import BEST_METRICS, ExperimentConfig
 from flaxformer_lite.data import pipeline
-from flaxformer_lite.inference import diagnostics
 from flaxformer_lite.inference.evaluation import validation_bleu
 from flaxformer_lite.model.build import build_model
 from flaxformer_lite.training import distributed, flops, losses, preemption, startup
@@ -33,6 +32,7 @@ from flaxformer_lite.training.state import (
     state_partitioning,
 )
 from flaxformer_lite.training.steps import eval_step, sown_attention, train_step
+from flaxformer_lite.views import diagnostics
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from flaxformer_lite.workdir import location
 from flaxformer_lite.workdir.folder import write_config

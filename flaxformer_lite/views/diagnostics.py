@@ -21,14 +21,17 @@ them every ``train.attention_stats_every`` steps (``training/train.py``).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.inference.attention_maps import attention_maps
+from flaxformer_lite.inference.streaming import read_lines
+from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.sparse import patterns as P
 from flaxformer_lite.sparse.spec import parse_spec
+from flaxformer_lite.views.attention_maps import attention_maps
 from flaxformer_lite.workdir import location
 
 STATS = ("entropy", "distance", "max_logit")
@@ -232,3 +235,19 @@ def write_report(stats, output: location.Path, title: str) -> dict[str, Any]:
     location.write_atomic(output.with_suffix(".json"), json.dumps(values, indent=2))
     draw(stats, output.with_suffix(".png"), title)
     return values
+
+
+def main(workdir, texts, input_path, patterns, output, **decode_options) -> None:
+    """``main diagnostics``: per-head attention statistics of a run over some texts
+    (the arguments, or the lines of ``input_path``)."""
+    lines = read_lines(list(texts), input_path, "texts", Counter())
+    texts = [t for t in lines if t.strip()]
+    translator = Translator.from_workdir(workdir)
+    stats = run_stats(translator, texts, patterns, **decode_options)
+    if output:
+        output = location.check(output, "--output")
+    else:
+        output = location.path(workdir) / "diagnostics" / "attention_stats"
+    write_report(stats, output, f"{workdir}: attention statistics over {len(texts)} text(s)")
+    print(table(stats))
+    print(f"wrote {output}.md, .json and .png")

@@ -1,6 +1,6 @@
 """A transformers Marian (post-LN) or Pegasus (pre-LN) model as ours: its config and
 weights read into our ModelConfig and parameters, the inverse of
-:mod:`~flaxformer_lite.inference.export` (the same width permutation, undone), so
+:mod:`~flaxformer_lite.exchange.export` (the same width permutation, undone), so
 that an export read back is the run's parameters exactly, and a Marian model made
 elsewhere (OPUS-MT's layout) computes its own logits in our Transformer.
 
@@ -24,7 +24,7 @@ import numpy as np
 from flaxformer_lite.config import trust
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import PairTokenizer
-from flaxformer_lite.inference.export import MARIAN_EPSILON, ExportError, width_order
+from flaxformer_lite.exchange.export import MARIAN_EPSILON, ExportError, width_order
 
 # The model fields an import sets; the run's config keeps every other one (dropout,
 # attention pattern, precision, ...).
