@@ -31,16 +31,17 @@ the rows it did not reach are listed as such):
   pairs the pattern allows, 4 d per pair forward, x3.5 for forward+backward
   (FlashAttention-2's count: the backward pass is 2.5 forwards). Ratios: each
   kernel's time over its reference's for the same pattern. The project's block-skipping
-  band kernel (sparse/band_gpu.py: causal and two-sided window, causal and dense), and
+  band kernel (sparse/ops/band/pallas_triton.py: causal and two-sided window, causal and dense), and
   forward-only rows ("... fwd", FLOPs x1) of the causal window for cuDNN, tokamax and
   the band kernel, which tell whether a kernel's forward or backward fails to skip.
-  The fused block-sparse kernel (sparse/block_sparse_gpu.py) on BigBird, Longformer,
+  The fused block-sparse kernel (sparse/ops/block_sparse/pallas_triton.py) on BigBird, Longformer,
   the Sparse Transformer's strided and fixed (causal, stride 128), dilated and the
   two-sided window, each against cuDNN's dense (or causal) kernel. Dynamic block
   routing (8 blocks of 64 per query, routing included): MoBA's per-query choice on the
-  gather kernel (sparse/routed_gather_gpu.py), on the tile kernel (sparse/routed_gpu.py)
+  gather kernel (sparse/ops/chosen_blocks/pallas_triton_gather.py), on the tile kernel
+  (sparse/ops/chosen_blocks/pallas_triton_tiles.py)
   and on XLA's (the CPU path), its block gate on the tile kernel, the routing alone,
-  and NSA (window 256; its compressed branch fused, sparse/compressed_gpu.py, and in
+  and NSA (window 256; its compressed branch fused, sparse/ops/nsa/compressed_triton.py, and in
   XLA) against cuDNN's causal (dense) kernel.
   ``--kernels`` picks rows by name.
 * ``decode``: cached greedy and beam-4 new tokens/s at batch 1 and 64 (source 32, 64
@@ -328,8 +329,8 @@ def attention_kernels():
     from flaxformer_lite.model import kernels
     from flaxformer_lite.model.attention import dot_product_attention
     from flaxformer_lite.model.chunked import chunked_attention
-    from flaxformer_lite.sparse import patterns as P
-    from flaxformer_lite.sparse.blocked import sparse_attention
+    from flaxformer_lite.sparse.grammar import patterns as P
+    from flaxformer_lite.sparse.ops.block_sparse.xla import sparse_attention
 
     local = P.Local(WINDOW).causal()
     band = P.Local(WINDOW)  # two-sided: keys i-w..i+w, an encoder's window
@@ -375,7 +376,7 @@ def attention_kernels():
         out["tokamax local (two-sided)"] = (
             tk(local_window_size=(WINDOW, WINDOW)), band, "blocked local (two-sided)"
         )  # fmt: skip
-    # The block-skipping band kernel of our own (sparse/band_gpu.py, Triton on a GPU):
+    # The block-skipping band kernel of our own (sparse/ops/band/pallas_triton.py, Triton on a GPU):
     # each pattern against cuDNN where cuDNN computes it, the two-sided window against
     # the blocked kernel (cuDNN has no such window).
     out.update(
@@ -414,7 +415,8 @@ def attention_kernels():
         ),
         "xla dense": (lambda q, k, v: dot_product_attention(q, k, v), P.Full(), "cudnn dense"),
     })  # fmt: skip
-    # The fused block-sparse kernel (sparse/block_sparse_gpu.py) on every other pattern,
+    # The fused block-sparse kernel (sparse/ops/block_sparse/pallas_triton.py) on every other
+    # pattern,
     # against cuDNN's dense kernel (a causal pattern: its causal kernel); its two-sided
     # window beside the band kernel's.
     for name, pattern in {
@@ -437,10 +439,10 @@ def _dynamic_kernels():
     routing kernel on a GPU, and by XLA's scores and top blocks), the same routing
     on the tile kernel (query tiles over their queries' union) and on XLA's gather
     kernel (the CPU path), and a choice per query block on the tile kernel."""
-    from flaxformer_lite.sparse import dynamic as D
-    from flaxformer_lite.sparse.nsa import init_params, nsa_attention
-    from flaxformer_lite.sparse.routed import moba_attention
-    from flaxformer_lite.sparse.routed_gpu import routed_block_attention
+    from flaxformer_lite.sparse.grammar import dynamic as D
+    from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles import routed_block_attention
+    from flaxformer_lite.sparse.ops.moba.xla import moba_attention
+    from flaxformer_lite.sparse.ops.nsa.xla import init_params, nsa_attention
 
     B, K = DYNAMIC_BLOCK, DYNAMIC_K
     causal = D.MoBA(B, K).causal()
@@ -491,7 +493,7 @@ def _dynamic_pairs(pattern, n: int) -> float:
     window and the compressed blocks each query sees."""
     import numpy as np
 
-    from flaxformer_lite.sparse import dynamic as D
+    from flaxformer_lite.sparse.grammar import dynamic as D
 
     i = np.arange(n, dtype=np.float64)
     B, nb = pattern.block, -(-n // pattern.block)
@@ -505,13 +507,13 @@ def _dynamic_pairs(pattern, n: int) -> float:
 
 
 def _block_sparse(pattern):
-    from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
+    from flaxformer_lite.sparse.ops.block_sparse.pallas_triton import block_sparse_attention
 
     return lambda q, k, v: block_sparse_attention(q, k, v, pattern)
 
 
 def _band(pattern):
-    from flaxformer_lite.sparse.band_gpu import band_attention, band_of
+    from flaxformer_lite.sparse.ops.band.pallas_triton import band_attention, band_of
 
     left, right = band_of(pattern)
     return lambda q, k, v: band_attention(q, k, v, left=left, right=right)
@@ -520,7 +522,7 @@ def _band(pattern):
 def _allowed_pairs(pattern, n: int) -> float:
     """(query, key) pairs the pattern allows at length n, exactly (the tile plan counts
     them tile by tile, without an n x n array)."""
-    from flaxformer_lite.sparse.tiles import tile_plan
+    from flaxformer_lite.sparse.grammar.tiles import tile_plan
 
     if type(pattern).__name__ == "Full":
         return n * (n + 1) / 2 if pattern.is_causal else float(n) * n

@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from flaxformer_lite.model.attention import dot_product_attention  # noqa: E402
 from flaxformer_lite.model.chunked import chunked_attention  # noqa: E402
-from flaxformer_lite.sparse import patterns as P  # noqa: E402
-from flaxformer_lite.sparse.blocked import block_table, sparse_attention  # noqa: E402
+from flaxformer_lite.sparse.grammar import patterns as P  # noqa: E402
+from flaxformer_lite.sparse.ops.block_sparse.xla import block_table, sparse_attention  # noqa: E402
 from flaxformer_lite.training.flops import matmul_peak_flops  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64

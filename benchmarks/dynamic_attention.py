@@ -8,11 +8,11 @@ B=1, 8 heads, head dim 64, float32. Kernels:
                    everywhere, run up to --dense_max);
   dense_chunked  - the same by 512 x 512 chunks, online softmax, recomputing backward
                    (model.attention_impl=chunked): O(n) memory, O(n^2) time;
-  topk           - each query's 64 best keys (sparse/topk.py: every score computed);
+  topk           - each query's 64 best keys (sparse/ops/topk/xla.py: every score computed);
   bigbird        - blocked BigBird, block 64: 3 window, 2 global, 3 random blocks;
-  moba           - moba:block=64,k=4 (own block + 3 routed: sparse/routed.py), its chosen
-                   blocks read key block by key block (sparse/routed_chunks.py);
-  moba_rows      - the same, each query's blocks gathered (sparse/routed_kernel.py);
+  moba           - moba:block=64,k=4 (own block + 3 routed: sparse/ops/moba/xla.py), its chosen
+                   blocks read key block by key block (sparse/ops/chosen_blocks/xla_chunks.py);
+  moba_rows      - the same, each query's blocks gathered (sparse/ops/chosen_blocks/xla_gather.py);
   nsa            - nsa:block=64,k=4,window=128 (compressed + 4 selected blocks + window).
 
 Per length and kernel: the forward+backward wall time and XLA's peak buffers of that
@@ -49,10 +49,11 @@ sys.path.insert(0, str(ROOT))
 from flaxformer_lite.model.attention import dot_product_attention  # noqa: E402
 from flaxformer_lite.model.chunked import chunked_attention  # noqa: E402
 from flaxformer_lite.model.masks import make_causal_mask  # noqa: E402
-from flaxformer_lite.sparse import nsa, routed  # noqa: E402
-from flaxformer_lite.sparse import patterns as P  # noqa: E402
-from flaxformer_lite.sparse.blocked import sparse_attention  # noqa: E402
-from flaxformer_lite.sparse.topk import topk_attention  # noqa: E402
+from flaxformer_lite.sparse.grammar import patterns as P  # noqa: E402
+from flaxformer_lite.sparse.ops.block_sparse.xla import sparse_attention  # noqa: E402
+from flaxformer_lite.sparse.ops.moba import xla as routed  # noqa: E402
+from flaxformer_lite.sparse.ops.nsa import xla as nsa  # noqa: E402
+from flaxformer_lite.sparse.ops.topk.xla import topk_attention  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK, K, WINDOW, TOPK = 8, 64, 64, 4, 128, 64
 _BIGBIRD = P.bigbird(block_size=BLOCK, window_blocks=3, global_blocks=2, random_blocks=3).causal()

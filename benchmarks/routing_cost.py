@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from flaxformer_lite.sparse import routed  # noqa: E402
+from flaxformer_lite.sparse.ops.moba import xla as routed  # noqa: E402
 
 
 def timed(f, *args, reps: int = 10) -> float:

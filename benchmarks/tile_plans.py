@@ -8,7 +8,7 @@ and dense attention: the tiles a forward pass visits (of all tiles), how many of
 are full (no mask), the distinct partial masks the kernel reads, the allowed pairs
 over the pairs of the visited tiles (how much of a visited tile is work), and the
 time to build the plan (numpy, once per pattern and length). A stride is regrouped
-by residue (sparse/regroup.py): "(2 parts)" counts the window's tiles in the
+by residue (sparse/ops/block_sparse/regroup.py): "(2 parts)" counts the window's tiles in the
 original order and the stride's in the regrouped one. The visited share bounds
 what skipping can gain over dense attention on any hardware; the GPU timings are in
 benchmarks/accelerator.py. Writes benchmarks/results/tile_plans.md.
@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flaxformer_lite.sparse import patterns as P  # noqa: E402
-from flaxformer_lite.sparse.regroup import pattern_parts  # noqa: E402
+from flaxformer_lite.sparse.grammar import patterns as P  # noqa: E402
+from flaxformer_lite.sparse.ops.block_sparse.regroup import pattern_parts  # noqa: E402
 
 WINDOW, STRIDE = 256, 128  # as in benchmarks/accelerator.py
 

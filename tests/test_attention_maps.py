@@ -19,7 +19,7 @@ import pytest
 
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.model import head_groups as sparse
-from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.grammar import patterns as P
 from flaxformer_lite.views import attention_maps as am
 from tests.fixtures import xla_flags
 

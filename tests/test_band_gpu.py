@@ -1,4 +1,4 @@
-"""The block-skipping band kernel (sparse/band_gpu.py): values and gradients against a
+"""The block-skipping band kernel (sparse/ops/band/pallas_triton.py): values and gradients against a
 float64 dense reference with the band's mask, through Pallas' interpreter on CPU and
 compiled by Triton on a GPU (marked gpu); and its loop bounds, which are the point of
 the kernel: every block they skip holds no allowed pair, every block they visit holds one."""
@@ -8,8 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.band_gpu import _key_blocks, _query_blocks, band_attention, band_of
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.ops.band.pallas_triton import (
+    _key_blocks,
+    _query_blocks,
+    band_attention,
+    band_of,
+)
 from tests.fixtures import triton_lowering
 from tests.oracles import dense_with_mask, random_qkvw, relative_error
 

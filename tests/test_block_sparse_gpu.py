@@ -1,5 +1,5 @@
-"""The fused block-sparse kernel (sparse/block_sparse_gpu.py) and its tile plans
-(sparse/tiles.py): every registered pattern's plan holds exactly its pairs; the kernel's
+"""The fused block-sparse kernel (sparse/ops/block_sparse/pallas_triton.py) and its tile plans
+(sparse/grammar/tiles.py): every registered pattern's plan holds exactly its pairs; the kernel's
 values and three gradients against float64 masked dense attention through Pallas'
 interpreter on CPU (a few patterns here, the whole catalogue in the slow tier), packed
 rows, lengths that are no multiple of the tiles, a dropped tile caught, and the
@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
-from flaxformer_lite.sparse.regroup import pattern_parts
-from flaxformer_lite.sparse.spec import parse_spec, pattern_names
-from flaxformer_lite.sparse.tiles import tile_plan
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.spec import parse_spec, pattern_names
+from flaxformer_lite.sparse.grammar.tiles import tile_plan
+from flaxformer_lite.sparse.ops.block_sparse.pallas_triton import block_sparse_attention
+from flaxformer_lite.sparse.ops.block_sparse.regroup import pattern_parts
 from tests.fixtures import triton_lowering
 from tests.oracles import dense_with_mask, random_qkvw, relative_error
 

@@ -1,4 +1,5 @@
-"""NSA's fused compressed branch (sparse/compressed_gpu.py) and its selection on the fused
+"""NSA's fused compressed branch (sparse/ops/nsa/compressed_triton.py) and its selection on the
+fused
 routing: through Pallas' interpreter on CPU, against the XLA branch in float64 (values
 and the gradients of the queries and the compressed keys and values), causal and not,
 packed and padded rows, several query tiles and chunks of compressed blocks; the
@@ -11,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.sparse import compressed_gpu, nsa, route_gpu
-from flaxformer_lite.sparse.routed import _present
+from flaxformer_lite.sparse.ops.moba import routing_triton as route_gpu
+from flaxformer_lite.sparse.ops.moba.xla import _present
+from flaxformer_lite.sparse.ops.nsa import compressed_triton as compressed_gpu
+from flaxformer_lite.sparse.ops.nsa import xla as nsa
 from tests.fixtures import triton_lowering
 from tests.oracles import relative_error
 
@@ -34,7 +37,7 @@ def _inputs(dtype, packed, seed=0, b=2, h=1, d=16):
 
 
 def _xla(q, kc, vc, present, seg, causal, others=0):
-    """The XLA branch (sparse/nsa.py) on scaled queries: (output, routing)."""
+    """The XLA branch (sparse/ops/nsa/xla.py) on scaled queries: (output, routing)."""
     return nsa._compressed(q * 0.25, kc, vc, present, seg, BLOCK, causal, others)
 
 

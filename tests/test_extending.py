@@ -14,7 +14,7 @@ from flaxformer_lite.config import extensions, rules
 from flaxformer_lite.config.model import ConfigError
 from flaxformer_lite.model import attention
 from flaxformer_lite.model.partitioning import unbox
-from flaxformer_lite.sparse import spec
+from flaxformer_lite.sparse.grammar import spec
 
 GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flaxformer_lite.model.attention import dot_scores, register_score_fn
 from flaxformer_lite.model.registry import (
     register_attention, register_ffn, register_norm, register_positional)
-from flaxformer_lite.sparse import patterns
-from flaxformer_lite.sparse.spec import register_pattern
+from flaxformer_lite.sparse.grammar import patterns
+from flaxformer_lite.sparse.grammar.spec import register_pattern
 
 
 class Glu(nn.Module):
@@ -185,7 +185,7 @@ def test_a_runs_code_runs_only_on_its_users_word(tmp_path, monkeypatch, capsys):
     path.parent.mkdir()
     path.write_text(
         "from flaxformer_lite.sparse import patterns\n"
-        "from flaxformer_lite.sparse.spec import register_pattern\n"
+        "from flaxformer_lite.sparse.grammar.spec import register_pattern\n"
         f"open({str(marker)!r}, 'a').write('x')\n"
         'register_pattern("t_trusted_band", {"window": 2})(lambda a, b, s: patterns.Local(2))\n'
     )
@@ -257,8 +257,8 @@ def test_export_and_import_name_what_they_cannot_carry(tmp_path):
 
 IMPLICIT = """
 from flaxformer_lite.model.attention import dot_scores, register_score_fn
-from flaxformer_lite.sparse import patterns
-from flaxformer_lite.sparse.spec import register_pattern
+from flaxformer_lite.sparse.grammar import patterns
+from flaxformer_lite.sparse.grammar.spec import register_pattern
 
 register_pattern("t_own_band", {"window": 2})(lambda a, b, s: patterns.Local(a["window"]))
 register_score_fn("t_own_neg")(lambda **_: lambda q, k: -dot_scores(q, k))
@@ -303,8 +303,8 @@ def test_a_module_the_config_imports_itself_is_kept(
     trust.trust_all()
     assert Run.open(run).model_config.attention_pattern == "t_own_band:window=2"
     # a name registered by the script or notebook cell that runs: no file to keep
-    from flaxformer_lite.sparse import patterns
-    from flaxformer_lite.sparse.spec import register_pattern
+    from flaxformer_lite.sparse.grammar import patterns
+    from flaxformer_lite.sparse.grammar.spec import register_pattern
 
     def here(a, b, s):
         return patterns.Local(2)

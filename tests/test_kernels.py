@@ -15,9 +15,9 @@ from flaxformer_lite.config.model import ConfigError
 from flaxformer_lite.model import head_groups, kernels
 from flaxformer_lite.model.head_groups import masked_dense_attention
 from flaxformer_lite.model.partitioning import unbox
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.blocked import sparse_attention
-from flaxformer_lite.sparse.splash_masks import splash_mask
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.ops.block_sparse.splash import splash_mask
+from flaxformer_lite.sparse.ops.block_sparse.xla import sparse_attention
 
 
 def _qkv(b=2, n=128, h=2, d=32, seed=0):
@@ -398,10 +398,11 @@ def test_the_language_model_with_fused_sparse_kernels(request, impl, pattern):
 
 def test_a_two_sided_window_runs_on_the_band_kernel_under_cudnn(on_cpu_anyway, monkeypatch):
     """local:window=w in the encoder is two-sided, which cuDNN cannot compute: that head
-    group runs on the band kernel (sparse/band_gpu.py, through Pallas' interpreter here;
+    group runs on the band kernel (sparse/ops/band/pallas_triton.py, through Pallas' interpreter
+    here;
     float32, so the same values as the blocked kernel to float32 rounding; the causal
     decoder's cuDNN path is checked by the language model's test above)."""
-    from flaxformer_lite.sparse import band_gpu
+    from flaxformer_lite.sparse.ops.band import pallas_triton as band_gpu
 
     calls = []
     monkeypatch.setattr(

@@ -188,3 +188,48 @@ def test_readme_is_a_guide_not_a_diary():
     assert len(readme.encode()) <= 20 * 1024
     diary = re.findall(r"\b(session \d+|issue \d+|commit [0-9a-f]{7})", readme, re.I)
     assert not diary, diary
+
+
+def test_sparse_rooms():
+    """Inside ``sparse/``: the grammar (what a pattern is) knows nothing of the ops
+    (how it is computed) and loads without JAX; an op folder imports the grammar, the
+    shared pieces of ``ops/`` and itself, never another op's backends."""
+    shared = {"sparse.ops.online_softmax", "sparse.ops.pallas_flash"}
+    wrong = []
+    for module, target, line, _ in _edges():
+        if not module.startswith("sparse.") or not target.startswith("sparse."):
+            continue
+        if module.startswith("sparse.grammar") and not target.startswith("sparse.grammar"):
+            wrong.append(f"{module} line {line}: the grammar imports {target}")
+        if module.startswith("sparse.ops.") and module not in shared:
+            room = ".".join(module.split(".")[:3])
+            allowed = target.startswith(("sparse.grammar", room)) or target in shared
+            if not allowed and not target.startswith("sparse.ops.chosen_blocks"):
+                wrong.append(f"{module} line {line}: imports another op's {target}")
+    assert not wrong, "\n".join(wrong)
+    for path in sorted((PACKAGE / "sparse" / "grammar").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in top if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [n for n in names if n.split(".")[0] == "jax"], f"{path.name} loads JAX"
+
+
+def test_sparse_names_before_the_rooms_still_import():
+    """``flaxformer_lite.sparse.<old name>`` is the module at its new home (the same
+    object, so a registration through either name is one registration)."""
+    import importlib
+
+    import flaxformer_lite.sparse as sparse
+
+    for old, new in sparse.MOVED.items():
+        a = importlib.import_module(f"flaxformer_lite.sparse.{old}")
+        b = importlib.import_module(f"flaxformer_lite.sparse.{new}")
+        assert a is b, old
+    from flaxformer_lite.sparse import patterns, spec
+    from flaxformer_lite.sparse.grammar import patterns as grammar_patterns
+    from flaxformer_lite.sparse.grammar import spec as grammar_spec
+
+    assert patterns is grammar_patterns and spec is grammar_spec
+    assert (PACKAGE / "sparse" / "grammar" / "patterns.py").exists()
+    assert not (PACKAGE / "sparse" / "blocked.py").exists()

@@ -1,4 +1,4 @@
-"""MoBA's fused routing (sparse/route_gpu.py): through Pallas' interpreter on CPU, the
+"""MoBA's fused routing (sparse/ops/moba/routing_triton.py): through Pallas' interpreter on CPU, the
 same table as the XLA routing (top_blocks over token_candidates) in float64, causal and
 not, packed and padded rows, a partial last block, several chunks of summaries, ties
 to the lower index, fewer candidates than slots; MoBA on it equals MoBA on the XLA
@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.sparse import route_gpu, routed
+from flaxformer_lite.sparse.ops.moba import routing_triton as route_gpu
+from flaxformer_lite.sparse.ops.moba import xla as routed
 from tests.fixtures import triton_lowering
 from tests.oracles import random_qkvw, relative_error
 

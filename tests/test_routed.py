@@ -14,10 +14,11 @@ from flaxformer_lite.config.model import ConfigError
 from flaxformer_lite.model import head_groups
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.partitioning import unbox
-from flaxformer_lite.sparse import dynamic as D
-from flaxformer_lite.sparse import nsa, routed
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.spec import PatternSpecError, parse_spec
+from flaxformer_lite.sparse.grammar import dynamic as D
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.spec import PatternSpecError, parse_spec
+from flaxformer_lite.sparse.ops.moba import xla as routed
+from flaxformer_lite.sparse.ops.nsa import xla as nsa
 from tests import oracles
 
 B, N, H, DK = 8, 45, 2, 8  # 45: the last block is partial

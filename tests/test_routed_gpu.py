@@ -1,4 +1,5 @@
-"""The fused routed block kernel (sparse/routed_gpu.py): data-dependent tile lists per
+"""The fused routed block kernel (sparse/ops/chosen_blocks/pallas_triton_tiles.py): data-dependent
+tile lists per
 batch row and head, through Pallas' interpreter on CPU, against float64 dense attention
 under the mask the routing chose (values and dq, dk, dv), causal and not, packed rows,
 lengths no multiple of a block, both query-tile sizes; MoBA and NSA on it equal their
@@ -11,10 +12,16 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.model import head_groups, kernels
-from flaxformer_lite.sparse import dynamic as D
-from flaxformer_lite.sparse import nsa, routed, routed_gather_gpu, routed_gpu
-from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
-from flaxformer_lite.sparse.routed_gpu import routed_block_attention, tile_lists
+from flaxformer_lite.sparse.grammar import dynamic as D
+from flaxformer_lite.sparse.ops.chosen_blocks import pallas_triton_gather as routed_gather_gpu
+from flaxformer_lite.sparse.ops.chosen_blocks import pallas_triton_tiles as routed_gpu
+from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather import routed_gather_attention
+from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles import (
+    routed_block_attention,
+    tile_lists,
+)
+from flaxformer_lite.sparse.ops.moba import xla as routed
+from flaxformer_lite.sparse.ops.nsa import xla as nsa
 from tests.fixtures import triton_lowering
 from tests.oracles import dense_with_mask, random_qkvw, relative_error
 

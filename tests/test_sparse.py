@@ -12,10 +12,10 @@ from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.masks import make_causal_mask
 from flaxformer_lite.model.partitioning import unbox
 from flaxformer_lite.model.transformer import Transformer, shift_right
-from flaxformer_lite.sparse import analysis, spec
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.blocked import block_diagonals, sparse_attention
-from flaxformer_lite.sparse.topk import topk_attention
+from flaxformer_lite.sparse.grammar import analysis, spec
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.ops.block_sparse.xla import block_diagonals, sparse_attention
+from flaxformer_lite.sparse.ops.topk.xla import topk_attention
 from tests import oracles
 
 
@@ -128,7 +128,7 @@ def test_normalise_backward_is_the_quotients(rng):
     """online_softmax.normalise's written-out backward equals autodiff of
     ``where(l > 0, o / l, 0)`` in float64 (rounding only), zero where ``l == 0``; a
     backward that forgot the ``dl`` term or divided by ``l`` twice fails."""
-    from flaxformer_lite.sparse.online_softmax import normalise
+    from flaxformer_lite.sparse.ops.online_softmax import normalise
 
     def quotient(o, l):
         return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)

@@ -21,8 +21,8 @@ from flaxformer_lite.model import partitioning as P
 from flaxformer_lite.model.attention import dot_scores, register_score_fn
 from flaxformer_lite.model.dropout import Dropout
 from flaxformer_lite.model.registry import register_ffn
-from flaxformer_lite.sparse import patterns
-from flaxformer_lite.sparse.spec import register_pattern
+from flaxformer_lite.sparse.grammar import patterns
+from flaxformer_lite.sparse.grammar.spec import register_pattern
 
 
 class GatedFeedForward(nn.Module):

@@ -8,7 +8,7 @@ take each pattern's causal variant.
 
 from __future__ import annotations
 
-# name: attention_pattern spec (sparse/spec.py)
+# name: attention_pattern spec (sparse/grammar/spec.py)
 PATTERNS = {
     "dense": "dense",
     "local": "local:window=32",

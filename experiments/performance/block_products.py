@@ -2,7 +2,7 @@
 
 Times single fp32 products of the shapes our kernels use, then the local pattern's
 forward at 8k tokens two ways: three 128-key blocks per 128-query block (what
-sparse/block_kernel.py reads) and a group of g query blocks against their joint key
+sparse/ops/block_sparse/xla_blocks.py reads) and a group of g query blocks against their joint key
 span of g + 2 blocks (larger products, part of them outside the band).
 
     python experiments/performance/block_products.py

@@ -5,7 +5,7 @@
 Writes results.json, coverage.png, patterns.png and receptive.png next to this file.
 One layer lets output i read input j when the pattern allows (i, j) (the residual
 keeps i itself); L layers connect j to i iff a chain of allowed steps joins them,
-the boolean power (A | I)^L (flaxformer_lite.sparse.analysis). Coverage is the
+the boolean power (A | I)^L (flaxformer_lite.sparse.grammar.analysis). Coverage is the
 fraction of the pairs a dense layer connects (all pairs; for causal patterns the
 pairs j <= i) that the stack connects.
 """
@@ -21,8 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flaxformer_lite.sparse import analysis  # noqa: E402
-from flaxformer_lite.sparse import patterns as P  # noqa: E402
+from flaxformer_lite.sparse.grammar import analysis  # noqa: E402
+from flaxformer_lite.sparse.grammar import patterns as P  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 LENGTH = 1024

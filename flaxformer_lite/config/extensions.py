@@ -47,7 +47,7 @@ from etils import epath
 
 from flaxformer_lite.config import trust
 from flaxformer_lite.config.fields import ConfigError, json_of
-from flaxformer_lite.sparse import spec
+from flaxformer_lite.sparse.grammar import spec
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # flaxformer_lite/: its names are built in
 FOLDER = "extensions"

@@ -8,7 +8,7 @@ chosen blocks; NSA's window on the band kernel); top-k attention has none. Read 
 
 from __future__ import annotations
 
-from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.grammar import patterns as P
 
 __all__ = ["GPU_KERNELS", "cudnn_computes", "cudnn_window", "gpu_kernel"]
 
@@ -23,11 +23,12 @@ def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
     if type(pattern) is P.Local:
         raise ValueError(
             f"cuDNN's sliding window is left-only (causal), and Local(window={pattern.window}) "
-            "is two-sided; it runs on the band kernel (sparse/band_gpu.py)"
+            "is two-sided; it runs on the band kernel (sparse/ops/band/pallas_triton.py)"
         )
     raise ValueError(
         f"cuDNN computes dense, causal and local-window attention, not "
-        f"{type(pattern).__name__}; it runs on the block-sparse kernel (sparse/block_sparse_gpu.py)"
+        f"{type(pattern).__name__}; it runs on the block-sparse kernel "
+        "(sparse/ops/block_sparse/pallas_triton.py)"
     )
 
 

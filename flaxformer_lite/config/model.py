@@ -136,7 +136,7 @@ class ModelConfig(Section):
     # source word it attends to" directly. Needs the source embedding table (tied src_tgt/all).
     lexical_shortcut: bool = option(False, "attended source embeddings into the softmax")
 
-    # Sparse self-attention (sparse/spec.py has the spec grammar).
+    # Sparse self-attention (sparse/grammar/spec.py has the spec grammar).
     attention_pattern: str = option(
         "dense", "self-attention pattern: dense | bigbird | local:window=128+global:first=1 | ..."
     )

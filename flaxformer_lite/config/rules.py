@@ -15,7 +15,7 @@ Each section's ``check()`` calls its function here, and the experiment config ca
 :func:`check_experiment`, so every rule runs whatever the caller imported: the
 registries it reads live at this level or below (score-function names here, which
 ``model/attention.py`` extends when it registers one; pattern names in
-``sparse/spec.py``).
+``sparse/grammar/spec.py``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from flaxformer_lite.config.fields import ConfigError
 from flaxformer_lite.config.gpu_kernels import gpu_kernel
 from flaxformer_lite.config.mesh import MeshError, parse_mesh
 from flaxformer_lite.config.profile import profile_steps
-from flaxformer_lite.sparse.patterns import Dynamic
-from flaxformer_lite.sparse.spec import PatternSpecError, check_spec, is_dense, parse_spec
+from flaxformer_lite.sparse.grammar.patterns import Dynamic
+from flaxformer_lite.sparse.grammar.spec import PatternSpecError, check_spec, is_dense, parse_spec
 
 # Score functions ----------------------------------------------------------------------
 # Their names (the factories are model code: model/attention.py registers them here).
@@ -159,7 +159,7 @@ def _check_scan(c: Any, layers: list | None) -> None:
 def _pattern_message(c: Any, error: Exception) -> str:
     return (
         f"model.attention_pattern={c.attention_pattern!r}: {error} "
-        "(grammar: flaxformer_lite/sparse/spec.py)"
+        "(grammar: flaxformer_lite/sparse/grammar/spec.py)"
     )
 
 

@@ -11,8 +11,8 @@ from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse import spec
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar import spec
 
 MODELS = {"translation": Transformer, "lm": LanguageModel, "recall": LanguageModel,
           "classify": Classifier}  # fmt: skip

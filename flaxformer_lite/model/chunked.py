@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.sparse.online_softmax import FLOOR, NEG, pad_to
+from flaxformer_lite.sparse.ops.online_softmax import FLOOR, NEG, pad_to
 
 DEFAULT_CHUNK = 512
 _SKIP_ABOVE_DIAGONAL = True  # off only for the A/B in experiments/performance/causal_chunks.py

@@ -1,6 +1,7 @@
 """Sparse self-attention in the model: each head group under its layer's pattern.
 
-The patterns come from ``model.attention_pattern`` (grammar: :mod:`flaxformer_lite.sparse.spec`);
+The patterns come from ``model.attention_pattern`` (grammar:
+:mod:`flaxformer_lite.sparse.grammar.spec`);
 :func:`multihead_sparse_attention` runs each head group on the kernel ``attention_impl``
 names (``blocked``, ``reference``, ``cudnn``, ``splash``; dynamic ``topk`` on its own).
 Also the dense ``[b, h, n, n]`` weights of the patterns for pictures and the masks of
@@ -18,18 +19,18 @@ from jax import Array
 from flaxformer_lite.config.model import ATTENTION_IMPLS
 from flaxformer_lite.model import kernels
 from flaxformer_lite.model.attention import attention_weights, dot_product_attention
-from flaxformer_lite.sparse import dynamic as D
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.band_gpu import band_attention
-from flaxformer_lite.sparse.block_sparse_gpu import block_sparse_attention
-from flaxformer_lite.sparse.blocked import sparse_attention
-from flaxformer_lite.sparse.nsa import init_params as nsa_zero_params
-from flaxformer_lite.sparse.nsa import nsa_attention, nsa_decode
-from flaxformer_lite.sparse.online_softmax import segment_mask
-from flaxformer_lite.sparse.routed import decode_mask as decode_routed_mask
-from flaxformer_lite.sparse.routed import decode_routing, moba_attention, routed_mask
-from flaxformer_lite.sparse.spec import PatternSpecError
-from flaxformer_lite.sparse.topk import topk_attention
+from flaxformer_lite.sparse.grammar import dynamic as D
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.spec import PatternSpecError
+from flaxformer_lite.sparse.ops.band.pallas_triton import band_attention
+from flaxformer_lite.sparse.ops.block_sparse.pallas_triton import block_sparse_attention
+from flaxformer_lite.sparse.ops.block_sparse.xla import sparse_attention
+from flaxformer_lite.sparse.ops.moba.xla import decode_mask as decode_routed_mask
+from flaxformer_lite.sparse.ops.moba.xla import decode_routing, moba_attention, routed_mask
+from flaxformer_lite.sparse.ops.nsa.xla import init_params as nsa_zero_params
+from flaxformer_lite.sparse.ops.nsa.xla import nsa_attention, nsa_decode
+from flaxformer_lite.sparse.ops.online_softmax import segment_mask
+from flaxformer_lite.sparse.ops.topk.xla import topk_attention
 
 IMPLS = ATTENTION_IMPLS
 
@@ -56,8 +57,10 @@ def multihead_sparse_attention(
     ``impl=cudnn`` runs each group on the fused GPU kernel for its pattern
     (:func:`~flaxformer_lite.config.gpu_kernels.gpu_kernel`): cuDNN for dense, causal and
     causal-window groups, the project's band kernel for a two-sided window, its
-    block-sparse kernel (:mod:`flaxformer_lite.sparse.block_sparse_gpu`) for every other
-    static pattern, its routed block kernel (:mod:`flaxformer_lite.sparse.routed_gpu`)
+    block-sparse kernel (:mod:`flaxformer_lite.sparse.ops.block_sparse.pallas_triton`) for every
+    other
+    static pattern, its routed block kernel
+    (:mod:`flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles`)
     for ``moba`` and ``nsa``; ``packed``: rows hold several examples (``segments`` from the batch's
     segmentation), for cuDNN's packed layout."""
     h = query.shape[2]

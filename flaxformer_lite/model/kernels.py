@@ -5,14 +5,14 @@
   causal and causal local-window attention (``attention_pattern`` dense, ``full`` or
   ``local:window=w``, per head group). The other head groups run on the project's
   Triton kernels: a two-sided window on the band kernel
-  (:mod:`flaxformer_lite.sparse.band_gpu`), every other static pattern on the
-  block-sparse kernel (:mod:`flaxformer_lite.sparse.block_sparse_gpu`); which kernel
+  (:mod:`flaxformer_lite.sparse.ops.band.pallas_triton`), every other static pattern on the
+  block-sparse kernel (:mod:`flaxformer_lite.sparse.ops.block_sparse.pallas_triton`); which kernel
   runs which pattern is :func:`gpu_kernel` (config/gpu_kernels.py). cuDNN's limits and how
   each is met are listed above :class:`CudnnCall`.
 * ``splash``: TPU splash attention (Pallas) for any of the project's sparse
   patterns: ``Full`` -> ``FullMask``/``CausalMask``, ``Local`` -> ``LocalMask``,
   a causal one-block ``BlockLocal`` -> ``ChunkedCausalMask``, anything else -> a mask
-  read block by block from the pattern's tile plan (:mod:`flaxformer_lite.sparse.tiles`,
+  read block by block from the pattern's tile plan (:mod:`flaxformer_lite.sparse.grammar.tiles`,
   the plan the GPU's block-sparse kernel runs on; no ``[n, n]`` array); one mask per
   head, as a ``MultiHeadMask``. Splash skips the key blocks a mask leaves empty.
 
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax import Array
 
 from flaxformer_lite.config.gpu_kernels import GPU_KERNELS, cudnn_computes, cudnn_window, gpu_kernel
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.splash_masks import splash_mask
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.ops.block_sparse.splash import splash_mask
 
 __all__ = ["GPU_KERNELS", "CudnnCall", "cudnn_attention", "cudnn_call", "cudnn_computes",
            "cudnn_window", "gpu_kernel", "platform_mode", "splash_attention"]  # fmt: skip
@@ -82,7 +82,7 @@ def platform_mode(impl: str):
 # * windows: cuDNN's sliding window is left-only (keys i-w..i) and so implies
 #   causality: a causal Local(w) pattern runs on cuDNN, a non-causal one cannot, and
 #   ``cudnn_computes`` (config/gpu_kernels.py, which kernel runs which pattern) sends
-#   it to the project's band kernel (sparse/band_gpu.py: Triton on a GPU) instead.
+#   it to the project's band kernel (sparse/ops/band/pallas_triton.py: Triton on a GPU) instead.
 # * head size: a multiple of 8 and at most 256 (Hopper; 128 before it): a config rule.
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)

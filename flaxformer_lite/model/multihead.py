@@ -36,8 +36,8 @@ from flaxformer_lite.model.chunked import chunked_attention
 from flaxformer_lite.model.dropout import make_rng
 from flaxformer_lite.model.embedding import default_positions, rotate
 from flaxformer_lite.model.masks import SegmentIds, combine_masks, make_causal_mask
-from flaxformer_lite.sparse import spec
-from flaxformer_lite.sparse.dynamic import NSA
+from flaxformer_lite.sparse.grammar import spec
+from flaxformer_lite.sparse.grammar.dynamic import NSA
 
 
 def projection_init() -> nn.initializers.Initializer:
@@ -236,7 +236,7 @@ class MultiHeadAttention(nn.Module):
         return jnp.einsum("bhqk,bkhv->bqhv", weights, value)
 
     def _nsa_params(self, patterns) -> dict[int, dict]:
-        """Each ``nsa`` head group's learned parts (sparse/nsa.py): the compressed
+        """Each ``nsa`` head group's learned parts (sparse/ops/nsa/xla.py): the compressed
         branch's per-head key and value projections (identity at start) and the three
         gates' weights and biases (zero: each branch weighs 1/2 at start)."""
         c = self.config

@@ -29,8 +29,8 @@ import numpy as np
 
 from flaxformer_lite.inference.streaming import read_lines
 from flaxformer_lite.inference.translate import Translator
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.spec import parse_spec
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.spec import parse_spec
 from flaxformer_lite.views.attention_maps import attention_maps
 from flaxformer_lite.workdir import location
 

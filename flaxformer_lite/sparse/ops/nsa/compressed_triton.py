@@ -4,23 +4,23 @@ lowered by Triton on a GPU, run by Pallas' interpreter elsewhere).
 
     out_i = sum_{j visible to i} softmax_j(q_i . kc_j * scale) vc_j
 
-``kc``/``vc`` hold one token per block of ``B`` keys (:mod:`~flaxformer_lite.sparse.nsa`:
+``kc``/``vc`` hold one token per block of ``B`` keys (:mod:`~flaxformer_lite.sparse.ops.nsa.xla`:
 the block's mean through a learned projection). Compressed block ``j`` is visible to
 query ``i`` when it holds a present key, (causal) ends at or before ``i``:
 ``(j + 1) B - 1 <= i``, and (packed rows) all its present keys are of ``i``'s segment;
 a query with no visible block outputs zeros (the first block's, causally).
 
-XLA computes the branch a query block at a time (:func:`~flaxformer_lite.sparse.nsa.
+XLA computes the branch a query block at a time (:func:`~flaxformer_lite.sparse.ops.nsa.xla.
 _compressed`): the scores of every query against every compressed block go through
 memory, forward and again backward. At 64k tokens, 8 heads and blocks of 64 that is
 512 Mi scores a pass, and it kept NSA level with cuDNN's dense attention on an H200
 while its two other branches ran fused. Here it is a flash attention whose key
 loop walks the compressed blocks a chunk at a time, causally only up to the last block
 the tile's last query sees (half of them on average), with the online softmax of
-:mod:`~flaxformer_lite.sparse.flash_gpu`; the backward recomputes the probabilities
+:mod:`~flaxformer_lite.sparse.ops.pallas_flash`; the backward recomputes the probabilities
 from the saved log-sum-exps (a dq pass over query tiles, a dk/dv pass over chunks of
 compressed blocks, each visiting only the tiles that see its blocks). The selection
-the same scores make is :mod:`~flaxformer_lite.sparse.route_gpu`'s fused routing over
+the same scores make is :mod:`~flaxformer_lite.sparse.ops.moba.routing_triton`'s fused routing over
 the compressed keys.
 
 Float32 accumulation in both passes, inputs in their own dtype; the head size is
@@ -37,7 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.flash_gpu import (
+from flaxformer_lite.sparse.ops.moba.routing_triton import block_spans
+from flaxformer_lite.sparse.ops.pallas_flash import (
     compiler_params,
     score_grads,
     softmax_start,
@@ -45,7 +46,6 @@ from flaxformer_lite.sparse.flash_gpu import (
     softmax_write,
     tile_width,
 )
-from flaxformer_lite.sparse.route_gpu import block_spans
 
 Array = jax.Array
 NAME = "nsa_compressed"

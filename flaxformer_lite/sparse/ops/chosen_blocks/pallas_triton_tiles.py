@@ -3,14 +3,14 @@ through tile lists computed in jax per batch row and head.
 
   out_i = sum_{j in own block of i, or in a block query i chose} softmax_j(q_i . k_j * scale) v_j
 
-The same three Pallas kernels as :mod:`~flaxformer_lite.sparse.block_sparse_gpu`
+The same three Pallas kernels as :mod:`~flaxformer_lite.sparse.ops.block_sparse.pallas_triton`
 (forward, dk/dv, dq; lowered by Triton on a GPU, Pallas' interpreter elsewhere), but
-their tile lists are data: a :class:`~flaxformer_lite.sparse.routed.Routing` (``MoBA``'s
+their tile lists are data: a :class:`~flaxformer_lite.sparse.ops.moba.xla.Routing` (``MoBA``'s
 gate, NSA's selection) gives each query its chosen key blocks, and
 :func:`tile_lists` turns it into, per batch row and head, each query tile's list of key
 blocks (the union of its queries' choices and its own block) and each key block's list
 of the query tiles that visit it. Each program reads its own row's lists
-(:func:`~flaxformer_lite.sparse.flash_gpu.row_table`); inside a visited tile a query
+(:func:`~flaxformer_lite.sparse.ops.pallas_flash.row_table`); inside a visited tile a query
 keeps the keys of the blocks *it* chose (a ``[tile, R]`` slice of the choices compared
 with the block's index) and of its own block, with the causal, length and segment rules.
 So the result is exactly the routing's attention (the tests compare it with dense
@@ -35,8 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.block_sparse_gpu import _split
-from flaxformer_lite.sparse.flash_gpu import (
+from flaxformer_lite.sparse.ops.block_sparse.pallas_triton import _split
+from flaxformer_lite.sparse.ops.pallas_flash import (
     flash_backward,
     flash_forward,
     flash_inputs,
@@ -236,7 +236,7 @@ def routed_block_attention(
 ) -> Array:
     """``[b, n, h, d] x3 -> [b, n, h, dv]``: each query attends to its own key block and
     the blocks ``table [b, h, N, R]`` names where ``valid`` (a
-    :class:`~flaxformer_lite.sparse.routed.Routing`; ``N`` = n rounded up to ``block``).
+    :class:`~flaxformer_lite.sparse.ops.moba.xla.Routing`; ``N`` = n rounded up to ``block``).
 
     Args:
       block: the routing's key blocks, also the kernel's key tiles (a power of two >= 16).

@@ -8,7 +8,7 @@ blocks is dense attention). Causal: only earlier blocks compete, and the own blo
 masked causally inside, so no query reads a future key. The routing is ``n * n / B``
 dot products of pooled vectors (many query blocks a step); the attention reads ``K``
 blocks per query (``n * K * B`` scores) through
-:mod:`~flaxformer_lite.sparse.routed_chunks` (XLA: key block by key block over chunks
+:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.xla_chunks` (XLA: key block by key block over chunks
 of the queries that chose it) or a fused GPU kernel; nothing is ``n x n``.
 
 Design choices the paper leaves open, and why:
@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.sparse.online_softmax import normalise, pad_to, segment_mask
-from flaxformer_lite.sparse.plans import num_blocks
-from flaxformer_lite.sparse.route_gpu import fused_routing, tile_size
-from flaxformer_lite.sparse.routed_chunks import routed_chunks_partial
-from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
-from flaxformer_lite.sparse.routed_gpu import routed_block_attention
-from flaxformer_lite.sparse.routed_kernel import routed_partial
+from flaxformer_lite.sparse.grammar.plans import num_blocks
+from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather import routed_gather_attention
+from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles import routed_block_attention
+from flaxformer_lite.sparse.ops.chosen_blocks.xla_chunks import routed_chunks_partial
+from flaxformer_lite.sparse.ops.chosen_blocks.xla_gather import routed_partial
+from flaxformer_lite.sparse.ops.moba.routing_triton import fused_routing, tile_size
+from flaxformer_lite.sparse.ops.online_softmax import normalise, pad_to, segment_mask
 
 NO_SCORE = -jnp.inf
 # The partial softmax over the chosen blocks, by XLA: key block by key block over
@@ -177,7 +177,7 @@ def moba_routing(q, k, present, segments, block: int, top_k: int, causal: bool,
                  interpret: bool | None = None) -> Routing:  # fmt: skip
     """MoBA's gate on ``[b, h, N, d]`` queries and keys: query . mean key per block (with
     ``block_gate``: mean query . mean key, one choice per query block). ``fused``: the
-    per-query gate by :mod:`~flaxformer_lite.sparse.route_gpu` (one pass, no scores in
+    per-query gate by :mod:`~flaxformer_lite.sparse.ops.moba.routing_triton` (one pass, no scores in
     memory; the same table)."""
     b, h, N, _ = q.shape
     nb = N // block
@@ -243,15 +243,17 @@ def moba_attention(
 ) -> Array | Routing:
     """MoBA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc);
     ``routing_only``: the :class:`Routing` it would read instead. ``kernel``: ``xla``
-    (:mod:`~flaxformer_lite.sparse.routed_chunks`, any device), ``xla_rows``
-    (:mod:`~flaxformer_lite.sparse.routed_kernel`: each query's blocks gathered; 5x
+    (:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.xla_chunks`, any device), ``xla_rows``
+    (:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.xla_gather`: each query's blocks gathered; 5x
     slower on a CPU, kept for comparison) or ``triton`` (fused,
     inputs in their own dtype; ``interpret`` as there): a choice per query on
-    :mod:`~flaxformer_lite.sparse.routed_gather_gpu` (key block by key block over the
+    :mod:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather` (key block by key block
+    over the
     queries that chose it), a choice per query block on
-    :mod:`~flaxformer_lite.sparse.routed_gpu` (its tiles). ``route``: ``xla``
+    :mod:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles` (its tiles). ``route``:
+    ``xla``
     (:func:`moba_routing`'s scores and top blocks) or ``fused``
-    (:mod:`~flaxformer_lite.sparse.route_gpu`, the same table); default fused on a GPU
+    (:mod:`~flaxformer_lite.sparse.ops.moba.routing_triton`, the same table); default fused on a GPU
     for a per-query gate whose block is a multiple of 16."""
     if block_gate and causal:
         raise ValueError("moba's block_gate=1 routes a query block by all its queries, later "

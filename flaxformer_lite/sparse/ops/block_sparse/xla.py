@@ -4,7 +4,7 @@
 
     out_i = sum_{j in S_i} softmax_j(q_i . k_j / sqrt(d)) v_j,   S_i = {j : pattern allows (i, j)}
 
-from the pattern's cover (:class:`~flaxformer_lite.sparse.plans.Plans`). Each
+from the pattern's cover (:class:`~flaxformer_lite.sparse.grammar.plans.Plans`). Each
 part of the cover yields a partial softmax (running max ``m``, sum ``l`` and
 unnormalised output ``o`` per query), and the parts are merged exactly like
 the blocks of an online softmax:
@@ -29,7 +29,7 @@ dense attention under the pattern's mask for any pattern, union or
 intersection (tests compare values and gradients with a dense oracle).
 Lengths that are not a multiple of the block size are padded and masked
 internally. The parts share their inputs through one frozen :class:`Problem`;
-the softmax arithmetic is :mod:`~flaxformer_lite.sparse.online_softmax`.
+the softmax arithmetic is :mod:`~flaxformer_lite.sparse.ops.online_softmax`.
 
 Arrays follow the core: ``[batch, length, heads, head_dim]``. Segment ids
 ``[batch, length]``: a query attends only keys of the same segment, and id 0
@@ -47,8 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from flaxformer_lite.sparse.block_kernel import block_partial
-from flaxformer_lite.sparse.online_softmax import (
+from flaxformer_lite.sparse.grammar.patterns import Pattern
+from flaxformer_lite.sparse.grammar.plans import Plans, num_blocks
+from flaxformer_lite.sparse.ops.block_sparse.xla_blocks import block_partial
+from flaxformer_lite.sparse.ops.online_softmax import (
     Partial,
     merge,
     normalise,
@@ -56,8 +58,6 @@ from flaxformer_lite.sparse.online_softmax import (
     partial_softmax,
     segment_mask,
 )
-from flaxformer_lite.sparse.patterns import Pattern
-from flaxformer_lite.sparse.plans import Plans, num_blocks
 
 
 def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

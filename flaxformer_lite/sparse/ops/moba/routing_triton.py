@@ -2,7 +2,7 @@
 ``n x n / B`` scores in memory (Pallas, lowered by Triton on a GPU, run by Pallas'
 interpreter elsewhere).
 
-The XLA routing (:func:`~flaxformer_lite.sparse.routed.moba_routing`) writes every
+The XLA routing (:func:`~flaxformer_lite.sparse.ops.moba.xla.moba_routing`) writes every
 query's score against every block summary (at 64k tokens, 8 heads and blocks of 64: 2
 GiB in float32), masks it and takes the top blocks by passes over it; on an H200 that
 was 8 ms of MoBA's 16 ms forward+backward, for ~0.1 ms of arithmetic. Here a program
@@ -14,7 +14,7 @@ merges the chunk's best into a running set of ``slots`` candidates per query, in
 registers. Causal tiles stop at their own block, so they read half the summaries on
 average. Only the table is written: ``n * (k - 1)`` indices.
 
-The table is :func:`~flaxformer_lite.sparse.routed.top_blocks`': the best allowed
+The table is :func:`~flaxformer_lite.sparse.ops.moba.xla.top_blocks`': the best allowed
 blocks by score, ties to the lower index, an empty slot (``valid`` False, index 0)
 where fewer are allowed. Scores are the products of the inputs as given (float32 in
 MoBA; Triton's default float32 dot on a GPU uses tf32, so a near-tie may rank otherwise
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.flash_gpu import compiler_params
+from flaxformer_lite.sparse.ops.pallas_flash import compiler_params
 
 Array = jax.Array
 NAME = "moba_routing"
@@ -136,7 +136,7 @@ def fused_routing(q: Array, means: Array, present: Array, segments: Array | None
     Same table as ``top_blocks`` over ``routed.token_candidates`` (module doc).
     ``whole_first``: a candidate block partly of another segment ranks after all
     others, by index (NSA's selection over its compressed keys, which such a block
-    is not among: :mod:`~flaxformer_lite.sparse.nsa`)."""
+    is not among: :mod:`~flaxformer_lite.sparse.ops.nsa.xla`)."""
     b, h, N, d = q.shape
     nb = means.shape[2]
     tq = tile_size(block)

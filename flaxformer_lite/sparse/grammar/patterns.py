@@ -7,7 +7,7 @@ of ``n`` tokens. It answers two questions:
   jax), used for masks, for the reference implementation and inside the
   blocked kernel for the entries of the gathered blocks;
 * ``plans(n, block)``: a *cover* of the allowed pairs that the blocked kernel
-  can compute without an ``n x n`` array (:mod:`~flaxformer_lite.sparse.plans`). A
+  can compute without an ``n x n`` array (:mod:`~flaxformer_lite.sparse.grammar.plans`). A
   cover may hold more pairs than allowed (``allows`` masks them); never fewer.
 
 Patterns combine with ``|`` (union) and ``&`` (intersection), and every pattern
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flaxformer_lite.sparse.plans import (
+from flaxformer_lite.sparse.grammar.plans import (
     Plans,
     coarse_block_mask,
     lookup,
@@ -302,7 +302,7 @@ def _random_table(pattern: RandomBlocks, n: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Dynamic(Pattern):
     """The patterns whose keys depend on the content (``TopK``; MoBA and NSA in
-    :mod:`~flaxformer_lite.sparse.dynamic`): no fixed rule or cover, their own kernels
+    :mod:`~flaxformer_lite.sparse.grammar.dynamic`): no fixed rule or cover, their own kernels
     (``label`` and ``kernel`` name them in errors)."""
 
     label = "dynamic attention"
@@ -318,7 +318,7 @@ class Dynamic(Pattern):
 @dataclasses.dataclass(frozen=True)
 class TopK(Dynamic):
     """Each query keeps its ``k`` highest-scoring keys (Routing/learned-sparsity family):
-    :func:`~flaxformer_lite.sparse.topk.topk_attention` (time n^2, memory ``block * n``)."""
+    :func:`~flaxformer_lite.sparse.ops.topk.xla.topk_attention` (time n^2, memory ``block * n``)."""
 
     k: int = 64
     label = "top-k attention"

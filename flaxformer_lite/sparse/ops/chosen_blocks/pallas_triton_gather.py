@@ -3,7 +3,8 @@ the queries that chose it (gathered rows), so the work is exactly the routing's 
 
 Where each query chooses its own blocks (MoBA's per-query gate, NSA's selection), the
 queries of one tile choose different blocks, and a kernel that walks query tiles
-(:mod:`~flaxformer_lite.sparse.routed_gpu`) visits the union of their choices, up to
+(:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles`) visits the union of their
+choices, up to
 ``tile * (k - 1) + 1`` blocks where each query needs ``k``. This one turns the loop
 around, as MoBA's own implementation does with variable-length flash attention: the
 routing becomes, per batch row and head, a list of *entries* (query, slot) sorted by
@@ -31,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.flash_gpu import NEG, compiler_params, flash_inputs, score_grads
-from flaxformer_lite.sparse.routed_gpu import chosen_blocks
+from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles import chosen_blocks
+from flaxformer_lite.sparse.ops.pallas_flash import NEG, compiler_params, flash_inputs, score_grads
 
 Array = jax.Array
 NAME = "routed_gather_attention"  # its kernels: NAME_forward, NAME_backward
@@ -268,7 +269,8 @@ def routed_gather_attention(
     interpret: bool | None = None,
 ) -> Array:
     """``[b, n, h, d] x3 -> [b, n, h, dv]``, the same function as
-    :func:`~flaxformer_lite.sparse.routed_gpu.routed_block_attention` (own block plus the
+    :func:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles.routed_block_attention`
+    (own block plus the
     blocks ``table [b, h, N, R]`` names where ``valid``), computed key block by key
     block over gathered queries. ``block``: the routing's key blocks (a power of two >=
     16); ``block_q``: gathered queries per step (a power of two >= 16)."""

@@ -54,8 +54,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flaxformer_lite.sparse import dynamic as D
-from flaxformer_lite.sparse import patterns as P
+from flaxformer_lite.sparse.grammar import dynamic as D
+from flaxformer_lite.sparse.grammar import patterns as P
 
 _ATOMS = {
     "full": ({}, lambda a, blk, seed: P.Full()),

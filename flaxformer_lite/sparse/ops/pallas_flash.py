@@ -4,8 +4,8 @@ to the tiles and the head size to a power of two, the BlockSpecs of a tile and o
 whole row over the grid (tiles, b*h), and the three ``pallas_call`` s of a forward and
 backward pass (:func:`flash_forward`, :func:`flash_backward`). The kernels themselves
 (which keys a query tile visits, and how it masks them) are
-:mod:`~flaxformer_lite.sparse.band_gpu`'s and
-:mod:`~flaxformer_lite.sparse.block_sparse_gpu`'s.
+:mod:`~flaxformer_lite.sparse.ops.band.pallas_triton`'s and
+:mod:`~flaxformer_lite.sparse.ops.block_sparse.pallas_triton`'s.
 """
 
 from __future__ import annotations

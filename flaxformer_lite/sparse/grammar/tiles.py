@@ -23,7 +23,8 @@ How it is built, without an ``n x n`` array:
 Strides are the exception: a stride's pairs fall in every tile (one per ``s`` keys),
 so in the original order the candidates are every tile (causal: the lower triangle),
 correct but as costly as dense attention. The kernel computes them on positions
-regrouped by residue instead (:mod:`~flaxformer_lite.sparse.regroup`), where they fill
+regrouped by residue instead (:mod:`~flaxformer_lite.sparse.ops.block_sparse.regroup`), where they
+fill
 contiguous tiles; this module plans either order.
 """
 
@@ -191,7 +192,9 @@ def _tile_keys(pattern, i0: np.ndarray, j0: np.ndarray, bq: int, bk: int, n: int
 
 def _rule_keys(pattern, i0, j0, bq: int, bk: int):
     name = type(pattern).__name__
-    if hasattr(pattern, "tile_keys"):  # a rule that knows its own (sparse/regroup.py)
+    if hasattr(
+        pattern, "tile_keys"
+    ):  # a rule that knows its own (sparse/ops/block_sparse/regroup.py)
         keys = pattern.tile_keys(i0, j0, bq, bk)
         if keys is None:
             return None

@@ -4,7 +4,7 @@
 
 One flash-attention forward and backward (three Pallas kernels, lowered by Triton on
 a GPU and run by Pallas' interpreter elsewhere) whose loops run over the tiles of a
-:class:`~flaxformer_lite.sparse.tiles.TilePlan`: the forward and dq kernels over each
+:class:`~flaxformer_lite.sparse.grammar.tiles.TilePlan`: the forward and dq kernels over each
 query tile's list of key tiles, the dk/dv kernel over each key tile's list of query
 tiles. A full tile is computed without a mask; a partial one under its mask, read from
 the plan's few distinct masks. Nothing is gathered and no tile outside the lists is
@@ -16,7 +16,7 @@ Every pattern of the catalogue and their unions and intersections run here, caus
 not: the plan evaluates the pattern's exact rule (``allows``), so a random pattern has
 the blocks the blocked kernel draws. A stride (``Strided``, ``Dilated``, ``Fixed``'s
 summary columns, the Sparse Transformer's ``Local | Strided``) runs on positions
-regrouped by residue (:mod:`~flaxformer_lite.sparse.regroup`), where its pairs fill
+regrouped by residue (:mod:`~flaxformer_lite.sparse.ops.block_sparse.regroup`), where its pairs fill
 contiguous tiles; a pattern in two parts (its window in the original order, its stride
 regrouped) merges them by their log-sum-exps, and each part's backward pass uses the
 whole softmax's. The band kernel (:mod:`~flaxformer_lite.sparse.
@@ -40,7 +40,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.flash_gpu import (
+from flaxformer_lite.sparse.grammar.tiles import TilePlan
+from flaxformer_lite.sparse.ops.block_sparse.regroup import Part, pattern_parts
+from flaxformer_lite.sparse.ops.pallas_flash import (
     NEG,
     flash_backward,
     flash_forward,
@@ -50,8 +52,6 @@ from flaxformer_lite.sparse.flash_gpu import (
     softmax_step,
     softmax_write,
 )
-from flaxformer_lite.sparse.regroup import Part, pattern_parts
-from flaxformer_lite.sparse.tiles import TilePlan
 
 Array = jax.Array
 NAME = "block_sparse_attention"  # its three kernels: NAME_forward, NAME_dkdv, NAME_dq
@@ -276,18 +276,18 @@ def block_sparse_attention(
     plan: TilePlan | None = None,
 ) -> Array:
     """``[b, n, h, d] x3 -> [b, n, h, dv]``: query i attends to the keys j that
-    ``pattern`` allows (any static pattern of :mod:`~flaxformer_lite.sparse.patterns`).
+    ``pattern`` allows (any static pattern of :mod:`~flaxformer_lite.sparse.grammar.patterns`).
 
     Args:
       pattern: the pattern (causal or not); its tiles come from
-        :func:`~flaxformer_lite.sparse.tiles.tile_plan`, built once per length.
+        :func:`~flaxformer_lite.sparse.grammar.tiles.tile_plan`, built once per length.
       scale: logit scale; default ``1/sqrt(d)``.
       block_q, block_k: tile sizes (powers of two, >= 16 for the tensor cores).
       segments: ``[b, n]`` int ids: a query sees keys of its own id only; id 0 is
         padding (sees and is seen by nothing; its output is 0). None: one sequence per row.
       interpret: run through Pallas' interpreter; default: everywhere but on a GPU.
       regroup: a stride's pairs on positions regrouped by residue
-        (:func:`~flaxformer_lite.sparse.regroup.pattern_parts`): None = where that
+        (:func:`~flaxformer_lite.sparse.ops.block_sparse.regroup.pattern_parts`): None = where that
         visits fewer tiles, True = always, False = never.
       plan: a plan to use instead of the pattern's (tests of the kernel's use of it).
 

@@ -2,19 +2,22 @@
 meets the queries that chose it in dense chunks, so the work is matrix products of the
 routing's pairs, not a gather of every query's blocks.
 
-:mod:`~flaxformer_lite.sparse.routed_kernel` gathers, for each query, the ``k - 1``
+:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.xla_gather` gathers, for each query, the ``k - 1``
 blocks it chose: ``n * (k - 1) * B`` key rows copied and contracted one query at a
 time (matrix-vector products, bound by memory). This kernel turns the loop around, as
-:mod:`~flaxformer_lite.sparse.routed_gather_gpu` does on a GPU: the routing becomes a
+:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather` does on a GPU: the routing
+becomes a
 list of *entries* (query, slot; the own block is the last slot) sorted by the key block
-they read (:func:`~flaxformer_lite.sparse.routed_gather_gpu.entries`), cut into chunks
+they read (:func:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather.entries`), cut
+into chunks
 of ``chunk`` entries that each belong to one block (a block's last chunk is partly
 empty; ``n * k / chunk + n / B`` chunks at most), and each chunk is one ``[chunk, d] x
 [d, B]`` product against its block, ``group`` chunks a step, the rows (batch x head)
 in two independent chains that XLA:CPU runs on both cores. Each entry gets its own
 partial softmax, stacked step by step in chunk order and read back by each entry's
 lane; a query's are merged by their maxima into the same ``(m, l, o)`` as
-:func:`~flaxformer_lite.sparse.routed_kernel.routed_partial` (same arguments), and the
+:func:`~flaxformer_lite.sparse.ops.chosen_blocks.xla_gather.routed_partial` (same arguments), and
+the
 backward pass recomputes each chunk's probabilities from the merged maxima:
 
     dS = p * (dl + dO V^T),   dQ += dS K,   dK += dS^T Q,   dV += p^T dO
@@ -32,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.sparse.online_softmax import FLOOR, NEG
-from flaxformer_lite.sparse.routed_gather_gpu import entries
+from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather import entries
+from flaxformer_lite.sparse.ops.online_softmax import FLOOR, NEG
 
 
 class _Tables(NamedTuple):
@@ -110,7 +113,7 @@ def _chains(bh: int, split: int) -> list[tuple[int, int]]:
     """The rows (batch x head) in ``split`` groups ``(first row, rows)``: independent
     chains inside one loop body, which XLA:CPU runs on different cores at once (one
     chain of small matmuls keeps one core busy, as in
-    :mod:`~flaxformer_lite.sparse.block_kernel`). Each reads its rows of the inputs
+    :mod:`~flaxformer_lite.sparse.ops.block_sparse.xla_blocks`). Each reads its rows of the inputs
     where it gathers them, so nothing is sliced."""
     w = bh // split
     return [(c * w, w) for c in range(split)]
@@ -222,7 +225,7 @@ def routed_chunks_partial(
     split: int = 2,
 ) -> tuple[Array, Array, Array]:
     """``(m, l [b, h, N], o [b, h, N, dv])``: the same partial softmax as
-    :func:`~flaxformer_lite.sparse.routed_kernel.routed_partial` (scaled queries, own
+    :func:`~flaxformer_lite.sparse.ops.chosen_blocks.xla_gather.routed_partial` (scaled queries, own
     block plus ``table [b, h, N, R]`` where ``valid``), key block by key block over
     chunks of ``chunk`` entries, ``group`` chunks a step, the rows (batch x head) in
     ``split`` independent chains (the most up to ``split`` that divide them evenly)."""

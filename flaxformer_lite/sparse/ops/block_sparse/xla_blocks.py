@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from flaxformer_lite.sparse.online_softmax import FLOOR, NEG, segment_mask
+from flaxformer_lite.sparse.ops.online_softmax import FLOOR, NEG, segment_mask
 
 
 def block_partial(

@@ -1,7 +1,7 @@
 """TPU splash attention's mask of a pattern (``attention_impl=splash``): splash's own
 mask classes where one computes the pattern (dense, causal, a window, chunked causal),
 else a mask read block by block from the pattern's tile plan
-(:mod:`~flaxformer_lite.sparse.tiles`, the plan the GPU's block-sparse kernel runs on),
+(:mod:`~flaxformer_lite.sparse.grammar.tiles`, the plan the GPU's block-sparse kernel runs on),
 so that no ``[n, n]`` array is formed (a ``NumpyMask`` of it was 4 GB at 64k tokens).
 Splash is imported when a mask is made: nothing here runs without it.
 """
@@ -12,8 +12,8 @@ import functools
 
 import numpy as np
 
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.tiles import TilePlan, tile_plan
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.tiles import TilePlan, tile_plan
 
 
 def splash_mask(pattern: P.Pattern, n: int, block: int):

@@ -11,7 +11,8 @@ a causal block for ``Strided``, a band for ``Dilated``.
 A pattern that is a stride plus other parts (the Sparse Transformer's
 ``Local(s - 1) | Strided(s)``) is computed in two parts that share no pair: the other
 parts in the original order, the stride's remaining pairs in the regrouped order; the
-kernel merges the two by their log-sum-exps (:mod:`~flaxformer_lite.sparse.block_sparse_gpu`).
+kernel merges the two by their log-sum-exps
+(:mod:`~flaxformer_lite.sparse.ops.block_sparse.pallas_triton`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import functools
 
 import numpy as np
 
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.plans import Plans
-from flaxformer_lite.sparse.tiles import TilePlan, tile_plan
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.plans import Plans
+from flaxformer_lite.sparse.grammar.tiles import TilePlan, tile_plan
 
 _OFFSET_RULES = (P.Full, P.Local, P.Dilated, P.Strided)  # rules of i - j alone
 

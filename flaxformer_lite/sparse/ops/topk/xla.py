@@ -2,7 +2,7 @@
 
 The learned-pattern family (keys chosen by score, not by position). Scores are
 computed one query block at a time, so memory is ``B * n`` while time stays
-``n^2``; the static patterns of :mod:`~flaxformer_lite.sparse.blocked` are the
+``n^2``; the static patterns of :mod:`~flaxformer_lite.sparse.ops.block_sparse.xla` are the
 sub-quadratic ones.
 """
 
@@ -15,8 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.sparse.online_softmax import normalise, pad_to, partial_softmax, segment_mask
-from flaxformer_lite.sparse.plans import num_blocks
+from flaxformer_lite.sparse.grammar.plans import num_blocks
+from flaxformer_lite.sparse.ops.online_softmax import (
+    normalise,
+    pad_to,
+    partial_softmax,
+    segment_mask,
+)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "causal", "query_block"))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.patterns import Pattern
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.patterns import Pattern
 
 
 def receptive_field(pattern: Pattern, length: int, num_layers: int) -> np.ndarray:

@@ -12,13 +12,14 @@ Three branches over the same queries, mixed by learned gates per head and query:
   the compressed blocks that end at or before it (causal), of its own segment; cost
   ``n * n / B``, a query block at a time (causal: the queries in four parts, each
   scoring only the blocks before its end, 5/8 of that), or fused on a GPU
-  (:mod:`~flaxformer_lite.sparse.compressed_gpu`: no scores in memory);
+  (:mod:`~flaxformer_lite.sparse.ops.nsa.compressed_triton`: no scores in memory);
 - **selected**: each query's attention probabilities over the compressed blocks rank
   the key blocks; it reads its own block and the ``K - 1`` most probable earlier ones
-  at full resolution (:mod:`~flaxformer_lite.sparse.routed_chunks`, ``n * K * B``), as
+  at full resolution (:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.xla_chunks`, ``n * K * B``),
+  as
   MoBA does with its mean-key gate (the same choices: per query, so that causality
   holds and cached decoding can choose the same; per head;
-  :mod:`~flaxformer_lite.sparse.routed`). The ranking is taken on the compressed
+  :mod:`~flaxformer_lite.sparse.ops.moba.xla`). The ranking is taken on the compressed
   scores, which order a query's probabilities alike (one softmax per query and head)
   without computing them; a candidate its compressed branch does not see (a block
   partly of another packed sequence: probability 0) ranks after those it sees;
@@ -41,14 +42,13 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.sparse import patterns as P
-from flaxformer_lite.sparse.band_gpu import band_attention
-from flaxformer_lite.sparse.blocked import sparse_attention
-from flaxformer_lite.sparse.compressed_gpu import compressed_attention
-from flaxformer_lite.sparse.online_softmax import NEG, normalise, pad_to, partial_softmax
-from flaxformer_lite.sparse.plans import num_blocks
-from flaxformer_lite.sparse.route_gpu import fused_routing, tile_size
-from flaxformer_lite.sparse.routed import (
+from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar.plans import num_blocks
+from flaxformer_lite.sparse.ops.band.pallas_triton import band_attention
+from flaxformer_lite.sparse.ops.block_sparse.xla import sparse_attention
+from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather import routed_gather_attention
+from flaxformer_lite.sparse.ops.moba.routing_triton import fused_routing, tile_size
+from flaxformer_lite.sparse.ops.moba.xla import (
     XLA_KERNELS,
     Routing,
     _layout,
@@ -60,7 +60,8 @@ from flaxformer_lite.sparse.routed import (
     token_candidates,
     top_blocks,
 )
-from flaxformer_lite.sparse.routed_gather_gpu import routed_gather_attention
+from flaxformer_lite.sparse.ops.nsa.compressed_triton import compressed_attention
+from flaxformer_lite.sparse.ops.online_softmax import NEG, normalise, pad_to, partial_softmax
 
 BRANCHES = ("compressed", "selected", "window")
 PARAMS = ("compress_k", "compress_v", "gate_w", "gate_b")  # the learned parts
@@ -99,7 +100,7 @@ def _compressed(q, kc, vc, present, segments, block, causal, others):
     backward); each query's selection is its ``others`` most probable compressed blocks
     among its candidates (the paper's importance, per query and head). Causal queries
     go in parts, each against the compressed blocks that end before its
-    last query (:func:`~flaxformer_lite.sparse.routed.per_block_causal`)."""
+    last query (:func:`~flaxformer_lite.sparse.ops.moba.xla.per_block_causal`)."""
 
     def upto(w):  # queries against the first w compressed blocks
         kw, vw = kc[:, :, :w], vc[:, :, :w]
@@ -140,13 +141,14 @@ def nsa_attention(
 ):
     """NSA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc).
     ``parts``: also return ``{branch: [b, n, h, dv]}``, the gates ``[b, n, h, 3]`` and
-    the selection's :class:`~flaxformer_lite.sparse.routed.Routing` (for the tests).
+    the selection's :class:`~flaxformer_lite.sparse.ops.moba.xla.Routing` (for the tests).
     ``kernel=triton``: every branch fused (``interpret`` as there): the compressed one
-    and its selection (:mod:`~flaxformer_lite.sparse.compressed_gpu`,
-    :mod:`~flaxformer_lite.sparse.route_gpu`; XLA's where ``block`` is no multiple of
+    and its selection (:mod:`~flaxformer_lite.sparse.ops.nsa.compressed_triton`,
+    :mod:`~flaxformer_lite.sparse.ops.moba.routing_triton`; XLA's where ``block`` is no multiple of
     16), the selected one on the routed kernel
-    (:mod:`~flaxformer_lite.sparse.routed_gather_gpu`) and the window on the band
-    kernel (:mod:`~flaxformer_lite.sparse.band_gpu`); the gates are XLA's either way.
+    (:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather`) and the window on the
+    band
+    kernel (:mod:`~flaxformer_lite.sparse.ops.band.pallas_triton`); the gates are XLA's either way.
     ``route``: the compressed branch and selection ``fused`` (the default under
     ``kernel=triton``) or ``xla`` (a query block at a time; the benchmark's baseline)."""
     b, n, h, d = query.shape

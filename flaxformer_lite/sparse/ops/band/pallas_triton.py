@@ -2,14 +2,14 @@
 
   out_i = sum_{j : -right <= i - j <= left} softmax_j(q_i . k_j * scale) v_j
 
-``left = right = w`` is :class:`~flaxformer_lite.sparse.patterns.Local` ``(w)`` (an
+``left = right = w`` is :class:`~flaxformer_lite.sparse.grammar.patterns.Local` ``(w)`` (an
 encoder's window), ``left = w, right = 0`` its causal form, ``left = right = n`` dense
 and ``left = n, right = 0`` causal dense. Three Pallas kernels (lowered by Triton on a
 GPU, run by Pallas' interpreter elsewhere) make a flash-attention forward and backward
 whose key loop (forward, dq) and query loop (dk, dv) run over the blocks that hold an
 allowed pair and no others, so a window of w costs O(n w), not O(n^2), in both passes.
 
-Why a kernel of our own: the blocked kernel (:mod:`flaxformer_lite.sparse.blocked`)
+Why a kernel of our own: the blocked kernel (:mod:`flaxformer_lite.sparse.ops.block_sparse.xla`)
 gathers key blocks in XLA and is 7x slower than cuDNN's causal window on an H200;
 cuDNN computes no two-sided window; tokamax's Mosaic-GPU kernel bounds the forward's
 key loop but its backward visits every block (experiments/performance/gpu). Here the
@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.flash_gpu import (
+from flaxformer_lite.sparse.ops.pallas_flash import (
     flash_backward,
     flash_forward,
     flash_inputs,
@@ -252,5 +252,5 @@ def band_of(pattern) -> tuple[int, int]:
         return big, 0 if pattern.is_causal else big
     raise ValueError(
         f"band_attention computes bands (local windows and dense), not {pattern!r}; "
-        "use the blocked kernel (flaxformer_lite.sparse.blocked) for other patterns"
+        "use the blocked kernel (flaxformer_lite.sparse.ops.block_sparse.xla) for other patterns"
     )

@@ -1,6 +1,6 @@
 """The partial softmax of each query against its own key block and the key blocks it
 chose (a traced table per batch row, head and query), with a recomputing backward pass:
-the kernel of dynamic block-sparse attention (:mod:`~flaxformer_lite.sparse.routed`).
+the kernel of dynamic block-sparse attention (:mod:`~flaxformer_lite.sparse.ops.moba.xla`).
 
 Query ``t`` of row ``r`` and head ``h`` reads its own block (``t // B``, as a band: the
 query block's keys in place) and the blocks ``table[r, h, t]`` (slots with ``valid``
@@ -10,7 +10,7 @@ memory is one group's ``g B x K B`` scores and keys, never ``n x n``. Inside eve
 block the exact rule masks the entries: positions past ``n``, keys after the query
 where causal, other segments and padding (segment id 0). The backward pass recomputes
 ``p = exp(s - m)`` from the saved row maxima, as
-:mod:`~flaxformer_lite.sparse.block_kernel` does for a static table:
+:mod:`~flaxformer_lite.sparse.ops.block_sparse.xla_blocks` does for a static table:
 
     dp = dl + dO V^T,   dS = p * dp,   dQ = dS K,   dK = dS^T Q,   dV = p^T dO
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from flaxformer_lite.sparse.online_softmax import FLOOR, NEG, segment_mask
+from flaxformer_lite.sparse.ops.online_softmax import FLOOR, NEG, segment_mask
 
 
 def routed_partial(

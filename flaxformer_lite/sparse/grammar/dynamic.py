@@ -1,6 +1,6 @@
 """The block-routed dynamic patterns as data (their kernels: ``routed``, ``nsa``).
 
-Like :class:`~flaxformer_lite.sparse.patterns.TopK`, which keys a query reads depends on
+Like :class:`~flaxformer_lite.sparse.grammar.patterns.TopK`, which keys a query reads depends on
 the content, so these have no fixed mask or cover; unlike it, they read ``k`` blocks
 per query block, not every score: sub-quadratic. They import nothing but the pattern
 base, so the config validates them without JAX.
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from flaxformer_lite.sparse.patterns import Dynamic, _check_positive
+from flaxformer_lite.sparse.grammar.patterns import Dynamic, _check_positive
 
 
 @dataclasses.dataclass(frozen=True)
 class MoBA(Dynamic):
     """``moba:block=B,k=K``: each query reads its own key block and the ``k - 1`` whose
     mean key best matches it (``block_gate=1``: one choice per query block, by its mean
-    query; not causal): :mod:`~flaxformer_lite.sparse.routed`."""
+    query; not causal): :mod:`~flaxformer_lite.sparse.ops.moba.xla`."""
 
     block: int = 64
     k: int = 3
@@ -37,7 +37,8 @@ class MoBA(Dynamic):
 @dataclasses.dataclass(frozen=True)
 class NSA(Dynamic):
     """``nsa:block=B,k=K,window=W``: NSA's compressed, selected (``k`` blocks) and
-    sliding ``window`` branches, mixed by learned gates: :mod:`~flaxformer_lite.sparse.nsa`."""
+    sliding ``window`` branches, mixed by learned gates:
+    :mod:`~flaxformer_lite.sparse.ops.nsa.xla`."""
 
     block: int = 64
     k: int = 4
