@@ -29,6 +29,7 @@ from flaxformer_lite.config.fields import (
     Section,
     option,
 )
+from flaxformer_lite.sparse.dispatch import IMPLS
 
 __all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset"]
 
@@ -37,7 +38,7 @@ __all__ = ["PRESETS", "ConfigError", "ModelConfig", "get_preset"]
 # blocked: the project's kernels (no n x n array for sparse patterns); reference: a
 # sparse pattern as a dense mask; chunked: dense attention by chunks with an online
 # softmax (no n x n array); cudnn / splash: the GPU / TPU fused kernels.
-ATTENTION_IMPLS = ("blocked", "reference", "chunked", "cudnn", "splash")
+ATTENTION_IMPLS = IMPLS  # the dispatch table's columns (sparse/dispatch.py)
 LN_POSITIONS = ("post", "pre")
 # Lists, not tuples: model/registry.py appends the names extensions register.
 POSITIONALS = ["sinusoidal", "learned", "rotary", "none"]

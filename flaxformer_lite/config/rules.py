@@ -26,10 +26,9 @@ import re
 from typing import Any
 
 from flaxformer_lite.config.fields import ConfigError
-from flaxformer_lite.config.gpu_kernels import gpu_kernel
 from flaxformer_lite.config.mesh import MeshError, parse_mesh
 from flaxformer_lite.config.profile import profile_steps
-from flaxformer_lite.sparse.grammar.patterns import Dynamic
+from flaxformer_lite.sparse import dispatch
 from flaxformer_lite.sparse.grammar.spec import PatternSpecError, check_spec, is_dense, parse_spec
 
 # Score functions ----------------------------------------------------------------------
@@ -44,15 +43,15 @@ def add_score_function(name: str) -> None:
 
 
 # The attention kernels ------------------------------------------------------------------
+# Which kernel computes which pattern (or refuses it, and why) is the dispatch table's
+# (sparse/dispatch.py); what each attention_impl takes besides a pattern is here.
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """What one ``model.attention_impl`` computes, as the rules check it."""
+    """What one ``model.attention_impl`` takes besides a pattern, as the rules check it."""
 
     what: str  # how messages name it
-    dense: bool  # runs without a sparse attention_pattern
-    sparse: bool  # runs a sparse attention_pattern
     any_score: bool = False  # other scores than dot products
     attention_dropout: bool = False  # dropout on the attention weights
     float64: bool = True
@@ -60,14 +59,13 @@ class Kernel:
 
 
 KERNELS = {
-    "blocked": Kernel("the project's kernels", dense=True, sparse=True, any_score=True,
-                      attention_dropout=True),
-    "reference": Kernel("a sparse pattern as a dense mask", dense=True, sparse=True,
-                        any_score=True, attention_dropout=True),
-    "chunked": Kernel("dense attention by chunks", dense=True, sparse=False),
-    "cudnn": Kernel("the fused GPU kernels", dense=True, sparse=True, float64=False,
+    "blocked": Kernel("the project's kernels", any_score=True, attention_dropout=True),
+    "reference": Kernel("a sparse pattern as a dense mask", any_score=True,
+                        attention_dropout=True),
+    "chunked": Kernel("dense attention by chunks"),
+    "cudnn": Kernel("the fused GPU kernels", float64=False,
                     head_sizes="a multiple of 8 and at most 256 (128 before Hopper)"),
-    "splash": Kernel("TPU splash attention", dense=False, sparse=True),
+    "splash": Kernel("TPU splash attention"),
 }  # fmt: skip
 # With a sparse pattern, blocked and reference compute dot-product scores without
 # dropout on the weights (their dense path takes any score and dropout).
@@ -167,18 +165,11 @@ def _check_kernel(c: Any, layers: list | None) -> None:
     """The model against the table of what its ``attention_impl`` supports."""
     impl, k = c.attention_impl, KERNELS[c.attention_impl]
     where = f"model.attention_impl={impl}"
-    if layers is None and not k.dense:
-        raise ConfigError(
-            f"{where} runs the sparse attention_pattern's kernel; with attention_pattern="
-            "dense use attention_pattern=full (dense through splash) or attention_impl="
-            "cudnn / blocked"
-        )
-    if layers is not None and not k.sparse:
-        raise ConfigError(
-            f"{where} computes dense attention, not attention_pattern="
-            f"{c.attention_pattern!r}: use attention_impl=blocked for sparse patterns, or "
-            "attention_pattern=dense"
-        )
+    if layers is None:
+        try:
+            dispatch.kernel(None, impl)
+        except dispatch.Refused as e:
+            raise ConfigError(f"{where} {e}") from None
     dot_only = not k.any_score or (layers is not None and impl in SPARSE_NEEDS_DOT)
     no_dropout = not k.attention_dropout or (layers is not None and impl in SPARSE_NEEDS_DOT)
     what = k.what if layers is None or impl not in SPARSE_NEEDS_DOT else "the sparse kernels"
@@ -211,12 +202,10 @@ def _check_kernel(c: Any, layers: list | None) -> None:
                 )
     for pattern in (p for layer in layers or () for p in layer):
         try:
-            if impl == "cudnn":
-                gpu_kernel(pattern)
-            elif impl == "splash" and isinstance(pattern, Dynamic):
-                raise ValueError("its keys depend on the content; splash reads fixed masks")
-        except ValueError as e:
-            raise ConfigError(f"model.attention_pattern={c.attention_pattern!r}: {e}") from None
+            dispatch.kernel(pattern, impl)
+        except dispatch.Refused as e:
+            spec = f"model.attention_pattern={c.attention_pattern!r}"
+            raise ConfigError(f"{where}, {spec}: {e}") from None
 
 
 # The other sections ----------------------------------------------------------------------

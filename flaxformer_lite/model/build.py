@@ -6,12 +6,11 @@ from __future__ import annotations
 import flax.linen as nn
 
 from flaxformer_lite.config.experiment import TASKS
-from flaxformer_lite.config.gpu_kernels import GPU_KERNELS, gpu_kernel
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.model.transformer import Transformer
-from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse import dispatch
 from flaxformer_lite.sparse.grammar import spec
 
 MODELS = {"translation": Transformer, "lm": LanguageModel, "recall": LanguageModel,
@@ -26,11 +25,6 @@ def build_model(model_config: ModelConfig, task: str = "translation") -> nn.Modu
 
 
 __all__ = ["Classifier", "LanguageModel", "Transformer", "build_model"]
-
-
-# How each impl names the kernel of a dense self-attention layer.
-_DENSE_KERNELS = {"cudnn": "cuDNN", "chunked": "chunked XLA", "splash": "splash"}
-_SPARSE_KERNELS = {"blocked": "blocked kernel", "reference": "dense mask", "splash": "splash"}
 
 
 def attention_kernels(c: ModelConfig, task: str = "translation") -> str:
@@ -58,8 +52,9 @@ def attention_kernels(c: ModelConfig, task: str = "translation") -> str:
 
 
 def _layer_kernels(c: ModelConfig, layer: int, causal: bool) -> str:
+    """The layer's head groups and the kernel of each (the dispatch table's answer)."""
     if not c.sparse_attention:
-        return "dense -> " + _DENSE_KERNELS.get(c.attention_impl, "XLA")
+        return "dense -> " + dispatch.KERNELS[dispatch.kernel(None, c.attention_impl)].what
     texts = spec.parse_spec_texts(c.attention_pattern, layer)
     patterns = spec.layer_patterns(
         c.attention_pattern, layer, c.num_heads, block_size=c.attention_block_size,
@@ -67,13 +62,6 @@ def _layer_kernels(c: ModelConfig, layer: int, causal: bool) -> str:
     )  # fmt: skip
     out = []
     for text, pattern in zip(texts, patterns, strict=True):
-        if c.attention_impl == "cudnn":
-            kernel = GPU_KERNELS[gpu_kernel(pattern)]
-        elif isinstance(pattern, P.TopK):
-            kernel = "top-k kernel"
-        elif isinstance(pattern, P.Dynamic):
-            kernel = "routed block kernel"
-        else:
-            kernel = _SPARSE_KERNELS.get(c.attention_impl, c.attention_impl)
+        kernel = dispatch.KERNELS[dispatch.kernel(pattern, c.attention_impl)].what
         out.append(f"{'causal ' if causal else ''}{text} -> {kernel}")
     return ", ".join(out)

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite.config.model import ATTENTION_IMPLS
 from flaxformer_lite.model import kernels
 from flaxformer_lite.model.attention import attention_weights, dot_product_attention
+from flaxformer_lite.sparse import dispatch
 from flaxformer_lite.sparse.grammar import dynamic as D
 from flaxformer_lite.sparse.grammar import patterns as P
 from flaxformer_lite.sparse.grammar.spec import PatternSpecError
@@ -31,8 +31,6 @@ from flaxformer_lite.sparse.ops.nsa.xla import init_params as nsa_zero_params
 from flaxformer_lite.sparse.ops.nsa.xla import nsa_attention, nsa_decode
 from flaxformer_lite.sparse.ops.online_softmax import segment_mask
 from flaxformer_lite.sparse.ops.topk.xla import topk_attention
-
-IMPLS = ATTENTION_IMPLS
 
 
 def multihead_sparse_attention(
@@ -49,73 +47,62 @@ def multihead_sparse_attention(
     scan_blocks: int | None = None,
     nsa_params: dict[int, dict] | None = None,
 ) -> Array:
-    """``[b, n, h, d]`` self-attention, head groups each under their own pattern.
+    """``[b, n, h, d]`` self-attention, head groups each under their own pattern, each on
+    the kernel the dispatch table (:mod:`flaxformer_lite.sparse.dispatch`) gives its
+    pattern under ``impl``: the project's XLA kernels (``blocked``), the pattern's dense
+    mask (``reference``), cuDNN or the project's Triton kernels (``cudnn``; Pallas'
+    interpreter off a GPU), TPU splash (``splash``: all groups in one call).
 
-    Dynamic block patterns (``moba``, ``nsa``) run on the routed kernel (XLA) under the
-    other impls; ``nsa_params``: head group -> its gates and projections.
-
-    ``impl=cudnn`` runs each group on the fused GPU kernel for its pattern
-    (:func:`~flaxformer_lite.config.gpu_kernels.gpu_kernel`): cuDNN for dense, causal and
-    causal-window groups, the project's band kernel for a two-sided window, its
-    block-sparse kernel (:mod:`flaxformer_lite.sparse.ops.block_sparse.pallas_triton`) for every
-    other
-    static pattern, its routed block kernel
-    (:mod:`flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles`)
-    for ``moba`` and ``nsa``; ``packed``: rows hold several examples (``segments`` from the batch's
-    segmentation), for cuDNN's packed layout."""
+    ``nsa_params``: head group -> its gates and projections; ``packed``: rows hold several
+    examples (``segments`` from the batch's segmentation), for cuDNN's packed layout."""
+    if impl == "splash":
+        for pattern in patterns:
+            dispatch.kernel(pattern, impl)  # refuses a dynamic group
+        return kernels.splash_attention(query, key, value, patterns, segments=segments,
+                                        scale=scale)  # fmt: skip
     h = query.shape[2]
     per = h // len(patterns)
     outs = []
     for g, pattern in enumerate(patterns):
         sl = slice(g * per, (g + 1) * per)
         q, k, v = query[:, :, sl], key[:, :, sl], value[:, :, sl]
-        if impl == "splash":
-            return kernels.splash_attention(
-                query, key, value, patterns, segments=segments, scale=scale
+        try:
+            name = dispatch.kernel(pattern, impl)
+        except dispatch.Refused as e:
+            raise ValueError(f"attention_impl={impl}, pattern {pattern}: {e}") from None
+        triton = {}  # the Triton kernels: Pallas' interpreter off a GPU
+        if impl == "cudnn":
+            triton = dict(interpret=kernels.platform_mode("cudnn") != "cudnn")
+        if name == "cudnn":
+            out = kernels.cudnn_attention(
+                q, k, v, pattern=pattern, q_segments=segments, packed=packed, scale=scale
             )
-        gpu = kernels.gpu_kernel(pattern) if impl == "cudnn" else None
-        if gpu == "cudnn":
-            outs.append(
-                kernels.cudnn_attention(
-                    q, k, v, pattern=pattern, q_segments=segments, packed=packed, scale=scale
-                )
-            )
-        elif gpu is not None:  # the project's Triton kernels (the interpreter on CPU)
-            interpret = kernels.platform_mode("cudnn") != "cudnn"
-            if gpu == "routed":  # moba, nsa: their chosen blocks (and NSA's window)
-                out = _dynamic(q, k, v, pattern, g, nsa_params, segments=segments, scale=scale,
-                               kernel="triton", interpret=interpret)  # fmt: skip
-            elif gpu == "band":  # a two-sided window: not cuDNN's
-                out = band_attention(
-                    q, k, v, left=pattern.window, right=pattern.window, scale=scale,
-                    segments=segments, interpret=interpret,
-                )  # fmt: skip
-            else:
-                out = block_sparse_attention(
-                    q, k, v, pattern, scale=scale, segments=segments, interpret=interpret
-                )
-            outs.append(out)
-        elif isinstance(pattern, D.MoBA | D.NSA):
-            outs.append(_dynamic(q, k, v, pattern, g, nsa_params, segments=segments, scale=scale))
-        elif isinstance(pattern, P.TopK):  # dynamic: the same kernel for both impls
-            outs.append(
-                topk_attention(
-                    q if scale is None else q * (scale * math.sqrt(q.shape[-1])), k, v,
-                    pattern.k, causal=pattern.is_causal, q_segments=segments,
-                    kv_segments=segments, query_block=min(block_size, 128),
-                )
+        elif name == "band":  # a two-sided window: not cuDNN's
+            out = band_attention(q, k, v, left=pattern.window, right=pattern.window,
+                                 scale=scale, segments=segments, **triton)  # fmt: skip
+        elif name == "block_sparse":
+            out = block_sparse_attention(q, k, v, pattern, scale=scale, segments=segments,
+                                         **triton)  # fmt: skip
+        elif name in ("routed", "routed_xla"):  # moba, nsa: their chosen blocks
+            kernel = dict(kernel="triton", **triton) if name == "routed" else {}
+            out = _dynamic(q, k, v, pattern, g, nsa_params, segments=segments, scale=scale,
+                           **kernel)  # fmt: skip
+        elif name == "topk":
+            out = topk_attention(
+                q if scale is None else q * (scale * math.sqrt(q.shape[-1])), k, v,
+                pattern.k, causal=pattern.is_causal, q_segments=segments,
+                kv_segments=segments, query_block=min(block_size, 128),
             )  # fmt: skip
-        elif impl == "blocked":
-            outs.append(
-                sparse_attention(
-                    q, k, v, pattern, block_size=block_size, q_segments=segments,
-                    kv_segments=segments, scale=scale, scan_blocks=scan_blocks,
-                )
+        elif name == "blocked":
+            out = sparse_attention(
+                q, k, v, pattern, block_size=block_size, q_segments=segments,
+                kv_segments=segments, scale=scale, scan_blocks=scan_blocks,
             )  # fmt: skip
-        elif impl == "reference":
-            outs.append(masked_dense_attention(q, k, v, pattern, segments=segments, scale=scale))
-        else:
-            raise ValueError(f"attention_impl={impl!r}; choose one of {', '.join(IMPLS)}")
+        elif name == "dense_mask":
+            out = masked_dense_attention(q, k, v, pattern, segments=segments, scale=scale)
+        else:  # a kernel of the table without a call here
+            raise NotImplementedError(f"model/head_groups.py has no call for kernel {name!r}")
+        outs.append(out)
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
 
 

@@ -7,8 +7,8 @@
   Triton kernels: a two-sided window on the band kernel
   (:mod:`flaxformer_lite.sparse.ops.band.pallas_triton`), every other static pattern on the
   block-sparse kernel (:mod:`flaxformer_lite.sparse.ops.block_sparse.pallas_triton`); which kernel
-  runs which pattern is :func:`gpu_kernel` (config/gpu_kernels.py). cuDNN's limits and how
-  each is met are listed above :class:`CudnnCall`.
+  runs which pattern is the dispatch table's (:mod:`flaxformer_lite.sparse.dispatch`).
+  cuDNN's limits and how each is met are listed above :class:`CudnnCall`.
 * ``splash``: TPU splash attention (Pallas) for any of the project's sparse
   patterns: ``Full`` -> ``FullMask``/``CausalMask``, ``Local`` -> ``LocalMask``,
   a causal one-block ``BlockLocal`` -> ``ChunkedCausalMask``, anything else -> a mask
@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from flaxformer_lite.config.gpu_kernels import GPU_KERNELS, cudnn_computes, cudnn_window, gpu_kernel
+from flaxformer_lite.sparse.dispatch import cudnn_computes, gpu_kernel
 from flaxformer_lite.sparse.grammar import patterns as P
 from flaxformer_lite.sparse.ops.block_sparse.splash import splash_mask
 
-__all__ = ["GPU_KERNELS", "CudnnCall", "cudnn_attention", "cudnn_call", "cudnn_computes",
+__all__ = ["CudnnCall", "cudnn_attention", "cudnn_call", "cudnn_computes",
            "cudnn_window", "gpu_kernel", "platform_mode", "splash_attention"]  # fmt: skip
 
 FUSED = ("cudnn", "splash")
@@ -81,11 +81,31 @@ def platform_mode(impl: str):
 #   and numbered in order, as packing makes them, at most ``max_segments`` per row).
 # * windows: cuDNN's sliding window is left-only (keys i-w..i) and so implies
 #   causality: a causal Local(w) pattern runs on cuDNN, a non-causal one cannot, and
-#   ``cudnn_computes`` (config/gpu_kernels.py, which kernel runs which pattern) sends
-#   it to the project's band kernel (sparse/ops/band/pallas_triton.py: Triton on a GPU) instead.
+#   the dispatch table (sparse/dispatch.py, which kernel runs which pattern) sends it
+#   to the project's band kernel (sparse/ops/band/pallas_triton.py: Triton on a GPU) instead.
 # * head size: a multiple of 8 and at most 256 (Hopper; 128 before it): a config rule.
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def cudnn_window(pattern: P.Pattern) -> tuple[bool, int | None]:
+    """(causal, left window w: keys ``i-w..i``) of a pattern cuDNN's kernel computes, or
+    ValueError. A two-sided Local band is not among them (the dispatch table sends it to
+    the band kernel)."""
+    if type(pattern) is P.Full:
+        return pattern.is_causal, None
+    if type(pattern) is P.Local and pattern.is_causal:
+        return True, pattern.window
+    if type(pattern) is P.Local:
+        raise ValueError(
+            f"cuDNN's sliding window is left-only (causal), and Local(window={pattern.window}) "
+            "is two-sided; it runs on the band kernel (sparse/ops/band/pallas_triton.py)"
+        )
+    raise ValueError(
+        f"cuDNN computes dense, causal and local-window attention, not "
+        f"{type(pattern).__name__}; it runs on the block-sparse kernel "
+        "(sparse/ops/block_sparse/pallas_triton.py)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+from flaxformer_lite.sparse.ops import triton_lowering as lower
 
 Array = jax.Array
 
@@ -41,7 +42,7 @@ def softmax_step(carry, s, ok, v):
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
     alpha = jnp.exp(m - m_new)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + lower.dot(p.astype(v.dtype), v)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
@@ -57,15 +58,8 @@ def score_grads(s, ok, lse, do, v, delta, scale, dtype):
     """(probabilities, score gradients in ``dtype``) of a tile, given the whole
     softmax's log-sum-exp and ``delta = rowsum(out * dout)``."""
     p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-    dp = plgpu.dot(do, v.T)
+    dp = lower.dot(do, v.T)
     return p, (p * (dp - delta[:, None]) * scale).astype(dtype)
-
-
-def compiler_params(num_warps: int, num_stages: int, interpret: bool):
-    """Triton's launch parameters (only on a GPU; the interpreter takes none)."""
-    if interpret:
-        return None
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def rows(x: Array, block: int) -> tuple[Array, int]:
@@ -133,7 +127,7 @@ def flash_forward(kernel, name: str, q, k, v, segs, bq: int, interpret: bool, ta
             jax.ShapeDtypeStruct((bh, m, v.shape[-1]), q.dtype),
             jax.ShapeDtypeStruct((bh, m), jnp.float32),
         ],
-        compiler_params=compiler_params(4, 2, interpret),
+        compiler_params=lower.compiler_params(4, 2, interpret),
         interpret=interpret,
         name=f"{name}_forward",
     )(*tables, q, k, v, *extra)
@@ -167,7 +161,7 @@ def flash_backward(kernels, name: str, q, k, v, segs, g, lse, delta, tiles, inte
         in_specs=dkdv_specs,
         out_specs=[tile(bk, d), tile(bk, dv_dim)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=compiler_params(4, 2, interpret),
+        compiler_params=lower.compiler_params(4, 2, interpret),
         interpret=interpret,
         name=f"{name}_dkdv",
     )(*tables[0], q, k, v, g, lse, delta, *extra)
@@ -177,7 +171,7 @@ def flash_backward(kernels, name: str, q, k, v, segs, g, lse, delta, tiles, inte
         in_specs=dq_specs,
         out_specs=tile(bq, d),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=compiler_params(4, 2, interpret),
+        compiler_params=lower.compiler_params(4, 2, interpret),
         interpret=interpret,
         name=f"{name}_dq",
     )(*tables[1], q, k, v, g, lse, delta, *extra)
@@ -228,3 +222,11 @@ def flash_inputs(name, query, key, value, segments, block_q, block_k, scale, int
         return jnp.swapaxes(out[:, :n, :dv].reshape(b, h, n, dv), 1, 2)
 
     return q, k, v, segs, scale, bool(interpret), unpad
+
+
+def split_refs(refs, segmented: bool, n_in: int):
+    """(inputs, query ids, key ids, outputs) of a kernel's refs: the segment ids sit
+    after the ``n_in`` other inputs when present."""
+    if segmented:
+        return refs[:n_in], refs[n_in], refs[n_in + 1], refs[n_in + 2 :]
+    return refs[:n_in], None, None, refs[n_in:]

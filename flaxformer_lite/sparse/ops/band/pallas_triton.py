@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from flaxformer_lite.sparse.ops import triton_lowering as lower
 from flaxformer_lite.sparse.ops.pallas_flash import (
     flash_backward,
     flash_forward,
@@ -65,7 +65,7 @@ def _key_tile(q, q_first, j, k_ref, v_ref, ks_ref, qs, *, scale, left, right, n,
     start = pl.multiple_of(j * bk, bk)
     k = k_ref[pl.ds(start, bk), :]
     v = v_ref[pl.ds(start, bk), :]
-    s = plgpu.dot(q, k.T) * scale
+    s = lower.dot(q, k.T) * scale
     segs = None if qs is None else (qs, ks_ref[pl.ds(start, bk)])
     return k, v, s, _allowed(q_first, start, s.shape, left, right, n, segs)
 
@@ -125,11 +125,11 @@ def _dkdv_kernel(*refs, scale, left, right, n, bq, segmented):
         do = do_ref[pl.ds(start, bq), :]
         lse = lse_ref[pl.ds(start, bq)]
         delta = delta_ref[pl.ds(start, bq)]
-        s = plgpu.dot(q, k.T) * scale
+        s = lower.dot(q, k.T) * scale
         segs = None if ks is None else (qs_ref[pl.ds(start, bq)], ks)
         ok = _allowed(start, j * bk, s.shape, left, right, n, segs)
         p, ds = score_grads(s, ok, lse, do, v, delta, scale, q.dtype)
-        return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
+        return dk + lower.dot(ds.T, q), dv + lower.dot(p.astype(do.dtype).T, do)
 
     lo, hi = _query_blocks(j, bq, bk, left, right, n)
     init = (
@@ -161,7 +161,7 @@ def _dq_kernel(*refs, scale, left, right, n, bk, segmented):
 
     def body(j, dq):
         k, v, s, ok = tile(j)
-        return dq + plgpu.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
+        return dq + lower.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
 
     lo, hi = _key_blocks(i, bq, bk, left, right, n)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))

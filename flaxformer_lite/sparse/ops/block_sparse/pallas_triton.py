@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from flaxformer_lite.sparse.grammar.tiles import TilePlan
+from flaxformer_lite.sparse.ops import triton_lowering as lower
 from flaxformer_lite.sparse.ops.block_sparse.regroup import Part, pattern_parts
 from flaxformer_lite.sparse.ops.pallas_flash import (
     NEG,
@@ -51,6 +51,7 @@ from flaxformer_lite.sparse.ops.pallas_flash import (
     softmax_start,
     softmax_step,
     softmax_write,
+    split_refs,
 )
 
 Array = jax.Array
@@ -71,21 +72,13 @@ def _key_tile(q, t, *, row, tiles_ref, mids_ref, mask_ref, k_ref, v_ref, ks_ref,
     start = pl.multiple_of(tiles_ref[row, t] * bk, bk)
     k = k_ref[pl.ds(start, bk), :]
     v = v_ref[pl.ds(start, bk), :]
-    s = plgpu.dot(q, k.T) * scale
+    s = lower.dot(q, k.T) * scale
     ks = None if qs is None else ks_ref[pl.ds(start, bk)]
     return k, v, s, _allowed(mask_ref, mids_ref[row, t], qs, ks)
 
 
-def _split(refs, segmented: bool, n_in: int):
-    """(inputs, query ids, key ids, outputs) of a kernel's refs: the segment ids sit
-    after the ``n_in`` other inputs when present."""
-    if segmented:
-        return refs[:n_in], refs[n_in], refs[n_in + 1], refs[n_in + 2 :]
-    return refs[:n_in], None, None, refs[n_in:]
-
-
 def _forward_kernel(*refs, scale, bk, segmented):
-    ins, qs_ref, ks_ref, (o_ref, lse_ref) = _split(refs, segmented, 7)
+    ins, qs_ref, ks_ref, (o_ref, lse_ref) = split_refs(refs, segmented, 7)
     count_ref, tiles_ref, mids_ref, mask_ref, q_ref, k_ref, v_ref = ins
     i = pl.program_id(0)
     bq = q_ref.shape[0]
@@ -105,7 +98,7 @@ def _forward_kernel(*refs, scale, bk, segmented):
 
 
 def _dkdv_kernel(*refs, scale, bq, segmented):
-    ins, qs_ref, ks_ref, (dk_ref, dv_ref) = _split(refs, segmented, 10)
+    ins, qs_ref, ks_ref, (dk_ref, dv_ref) = split_refs(refs, segmented, 10)
     count_ref, tiles_ref, mids_ref, mask_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
@@ -118,11 +111,11 @@ def _dkdv_kernel(*refs, scale, bq, segmented):
         do = do_ref[pl.ds(start, bq), :]
         lse = lse_ref[pl.ds(start, bq)]
         delta = delta_ref[pl.ds(start, bq)]
-        s = plgpu.dot(q, k.T) * scale
+        s = lower.dot(q, k.T) * scale
         qs = None if ks is None else qs_ref[pl.ds(start, bq)]
         ok = _allowed(mask_ref, mids_ref[j, t], qs, ks)
         p, ds = score_grads(s, ok, lse, do, v, delta, scale, q.dtype)
-        return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
+        return dk + lower.dot(ds.T, q), dv + lower.dot(p.astype(do.dtype).T, do)
 
     init = (
         jnp.zeros((k_ref.shape[0], k_ref.shape[-1]), jnp.float32),
@@ -134,7 +127,7 @@ def _dkdv_kernel(*refs, scale, bq, segmented):
 
 
 def _dq_kernel(*refs, scale, bk, segmented):
-    ins, qs_ref, ks_ref, (dq_ref,) = _split(refs, segmented, 10)
+    ins, qs_ref, ks_ref, (dq_ref,) = split_refs(refs, segmented, 10)
     count_ref, tiles_ref, mids_ref, mask_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]
@@ -147,7 +140,7 @@ def _dq_kernel(*refs, scale, bk, segmented):
 
     def body(t, dq):
         k, v, s, ok = tile(t)
-        return dq + plgpu.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
+        return dq + lower.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
 
     dq = lax.fori_loop(0, count_ref[i], body, jnp.zeros((q.shape[0], q.shape[-1]), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from flaxformer_lite.sparse.ops import triton_lowering as lower
 from flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_tiles import chosen_blocks
-from flaxformer_lite.sparse.ops.pallas_flash import NEG, compiler_params, flash_inputs, score_grads
+from flaxformer_lite.sparse.ops.pallas_flash import NEG, flash_inputs, score_grads
 
 Array = jax.Array
 NAME = "routed_gather_attention"  # its kernels: NAME_forward, NAME_backward
@@ -85,7 +85,7 @@ def _rows(ref, idx):
 
 def _store_rows(ref, idx, val, live):
     mask = jnp.broadcast_to(live[:, None], val.shape)
-    plgpu.store(_rows(ref, idx), val.astype(ref.dtype), mask=mask)
+    lower.store(_rows(ref, idx), val.astype(ref.dtype), mask=mask)
 
 
 def _allowed(live, qpos, kpos, n, causal, qs, ks) -> Array:
@@ -125,8 +125,8 @@ class _KeyBlock:
         """(where each lane writes, its query, live, the gathered queries, their
         scores, the allowed pairs)."""
         e, qpos, live = _entry_tile(t, self.lo, self.hi, self.ent_ref, self.bq, self.slots)
-        q = plgpu.load(_rows(self.q_ref, qpos))
-        s = plgpu.dot(q, self.k.T) * self.scale
+        q = lower.load(_rows(self.q_ref, qpos))
+        s = lower.dot(q, self.k.T) * self.scale
         qs = None if self.qs_ref is None else self.qs_ref[qpos]
         ok = _allowed(live, qpos, self.kpos, self.n, self.causal, qs, self.ks)
         return e, qpos, live, q, s, ok
@@ -141,9 +141,9 @@ def _forward_kernel(*refs, statics, segmented):
         s = jnp.where(ok, s, NEG)
         m = jnp.max(s, axis=1)
         p = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0)
-        _store_rows(o_ref, e, plgpu.dot(p.astype(kb.v.dtype), kb.v), live)
-        plgpu.store(m_ref.at[e], m, mask=live)
-        plgpu.store(l_ref.at[e], jnp.sum(p, axis=1), mask=live)
+        _store_rows(o_ref, e, lower.dot(p.astype(kb.v.dtype), kb.v), live)
+        lower.store(m_ref.at[e], m, mask=live)
+        lower.store(l_ref.at[e], jnp.sum(p, axis=1), mask=live)
         return carry
 
     lax.fori_loop(0, kb.steps(), body, 0)
@@ -157,10 +157,10 @@ def _backward_kernel(*refs, statics, segmented):
     def body(t, carry):
         dk, dv = carry
         e, qpos, live, q, s, ok = kb.tile(t)
-        do = plgpu.load(_rows(do_ref, qpos))
+        do = lower.load(_rows(do_ref, qpos))
         p, ds = score_grads(s, ok, lse_ref[qpos], do, kb.v, delta_ref[qpos], kb.scale, q.dtype)
-        _store_rows(dq_ref, e, plgpu.dot(ds, kb.k), live)
-        return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
+        _store_rows(dq_ref, e, lower.dot(ds, kb.k), live)
+        return dk + lower.dot(ds.T, q), dv + lower.dot(p.astype(do.dtype).T, do)
 
     init = (jnp.zeros(kb.k.shape, jnp.float32), jnp.zeros(kb.v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, kb.steps(), body, init)
@@ -188,7 +188,7 @@ def _specs(bh, m, block, segs):
 def _call(kernel, name, in_arrays, in_specs, out_shapes, out_specs, grid, interpret):
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
-        compiler_params=compiler_params(4, 2, interpret), interpret=interpret,
+        compiler_params=lower.compiler_params(4, 2, interpret), interpret=interpret,
         name=f"{NAME}_{name}",
     )(*in_arrays)  # fmt: skip
 

@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.ops.block_sparse.pallas_triton import _split
+from flaxformer_lite.sparse.ops import triton_lowering as lower
 from flaxformer_lite.sparse.ops.pallas_flash import (
     flash_backward,
     flash_forward,
@@ -45,6 +44,7 @@ from flaxformer_lite.sparse.ops.pallas_flash import (
     softmax_start,
     softmax_step,
     softmax_write,
+    split_refs,
 )
 
 Array = jax.Array
@@ -102,7 +102,7 @@ def _key_tile(q, t, *, row, tiles_ref, chosen, k_ref, v_ref, ks_ref, qs, statics
     start = pl.multiple_of(kb * block, block)
     k = k_ref[pl.ds(start, block), :]
     v = v_ref[pl.ds(start, block), :]
-    s = plgpu.dot(q, k.T) * scale
+    s = lower.dot(q, k.T) * scale
     ks = None if qs is None else ks_ref[pl.ds(start, block)]
     own = (row * bq) // block == kb
     return k, v, s, _allowed(chosen, kb, own, row * bq, start, s.shape, n, causal, qs, ks)
@@ -110,7 +110,7 @@ def _key_tile(q, t, *, row, tiles_ref, chosen, k_ref, v_ref, ks_ref, qs, statics
 
 def _query_side(refs, segmented, n_in, statics):
     """What the forward and dq kernels share: their inputs and a partial of _key_tile."""
-    ins, qs_ref, ks_ref, outs = _split(refs, segmented, n_in)
+    ins, qs_ref, ks_ref, outs = split_refs(refs, segmented, n_in)
     count_ref, tiles_ref, chosen_ref, q_ref, k_ref, v_ref = ins[:6]
     i = pl.program_id(0)
     q = q_ref[...]
@@ -142,14 +142,14 @@ def _dq_kernel(*refs, statics, segmented):
 
     def body(t, dq):
         k, v, s, ok = tile(t)
-        return dq + plgpu.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
+        return dq + lower.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
 
     dq = lax.fori_loop(0, count, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(*refs, statics, bq, segmented):
-    ins, qs_ref, ks_ref, (dk_ref, dv_ref) = _split(refs, segmented, 9)
+    ins, qs_ref, ks_ref, (dk_ref, dv_ref) = split_refs(refs, segmented, 9)
     count_ref, tiles_ref, chosen_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
     scale, block, n, causal = statics
     j = pl.program_id(0)
@@ -162,14 +162,14 @@ def _dkdv_kernel(*refs, statics, bq, segmented):
         start = pl.multiple_of(qt * bq, bq)
         q = q_ref[pl.ds(start, bq), :]
         do = do_ref[pl.ds(start, bq), :]
-        s = plgpu.dot(q, k.T) * scale
+        s = lower.dot(q, k.T) * scale
         qs = None if ks is None else qs_ref[pl.ds(start, bq)]
         chosen = chosen_ref[pl.ds(start, bq), :]
         own = start // block == j
         ok = _allowed(chosen, j, own, start, j * block, s.shape, n, causal, qs, ks)
         lse, delta = lse_ref[pl.ds(start, bq)], delta_ref[pl.ds(start, bq)]
         p, ds = score_grads(s, ok, lse, do, v, delta, scale, q.dtype)
-        return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
+        return dk + lower.dot(ds.T, q), dv + lower.dot(p.astype(do.dtype).T, do)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, count_ref[j], body, init)

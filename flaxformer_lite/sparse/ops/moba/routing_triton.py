@@ -30,9 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from flaxformer_lite.sparse.ops.pallas_flash import compiler_params
+from flaxformer_lite.sparse.ops import triton_lowering as lower
 
 Array = jax.Array
 NAME = "moba_routing"
@@ -64,7 +63,7 @@ def _kernel(has_ref, lo_ref, hi_ref, q_ref, means_ref, qok_ref, qseg_ref, table_
         best_v, best_i = carry
         j = c * chunk + col
         part = pl.ds(c * chunk, chunk)
-        s = plgpu.dot(q, means_ref[part, :].T).astype(jnp.float32)
+        s = lower.dot(q, means_ref[part, :].T).astype(jnp.float32)
         ok = (j != a) & (has_ref[part] != 0)
         if causal:
             ok = ok & (j < a)
@@ -168,7 +167,7 @@ def fused_routing(q: Array, means: Array, present: Array, segments: Array | None
                   pl.BlockSpec((None, nbp, dp), lambda t, r: (r, 0, 0)), tile, tile],
         out_specs=[out, out],
         out_shape=[jax.ShapeDtypeStruct((b * h, N, slots), jnp.int32)] * 2,
-        compiler_params=compiler_params(4, 1, bool(interpret)),
+        compiler_params=lower.compiler_params(4, 1, bool(interpret)),
         interpret=bool(interpret),
         name=NAME,
     )(has, lo, hi, q, means, present.astype(jnp.int32), seg)  # fmt: skip

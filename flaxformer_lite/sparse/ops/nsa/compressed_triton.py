@@ -35,11 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from flaxformer_lite.sparse.ops import triton_lowering as lower
 from flaxformer_lite.sparse.ops.moba.routing_triton import block_spans
 from flaxformer_lite.sparse.ops.pallas_flash import (
-    compiler_params,
     score_grads,
     softmax_start,
     softmax_step,
@@ -87,7 +86,7 @@ def _key_chunk(q, first, qseg, spans, k_ref, v_ref, c, *, scale, block, bk, caus
     j = c * bk + jnp.arange(bk, dtype=jnp.int32)
     has, lo, hi = (ref[part] for ref in spans)
     ok = _visible(i, j, has, lo, hi, qseg, block=block, causal=causal, segmented=segmented)
-    return k, v, plgpu.dot(q, k.T).astype(jnp.float32) * scale, ok
+    return k, v, lower.dot(q, k.T).astype(jnp.float32) * scale, ok
 
 
 def _forward_kernel(has_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, o_ref, lse_ref,
@@ -119,7 +118,7 @@ def _dq_kernel(has_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
 
     def body(c, dq):
         k, v, s, ok = chunk(c)
-        return dq + plgpu.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
+        return dq + lower.dot(score_grads(s, ok, lse, do, v, delta, scale, k.dtype)[1], k)
 
     upper = _chunks_seen(t, tq, bk, block, causal, chunks)
     dq = lax.fori_loop(0, upper, body, jnp.zeros((tq, q_ref.shape[-1]), jnp.float32))
@@ -142,9 +141,9 @@ def _dkdv_kernel(has_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, 
         i = t * tq + jnp.arange(tq, dtype=jnp.int32)
         ok = _visible(i, j, has, lo, hi, qs_ref[rows], block=block, causal=causal,
                       segmented=segmented)  # fmt: skip
-        s = plgpu.dot(q, k.T).astype(jnp.float32) * scale
+        s = lower.dot(q, k.T).astype(jnp.float32) * scale
         p, ds = score_grads(s, ok, lse_ref[rows], do, v, delta_ref[rows], scale, q.dtype)
-        return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.astype(do.dtype).T, do)
+        return dk + lower.dot(ds.T, q), dv + lower.dot(p.astype(do.dtype).T, do)
 
     init = (
         jnp.zeros((bk, k_ref.shape[-1]), jnp.float32),
@@ -195,7 +194,7 @@ def _forward(q, kc, vc, tables, statics):
             jax.ShapeDtypeStruct((bh, m, dv), q.dtype),
             jax.ShapeDtypeStruct((bh, m), jnp.float32),
         ],
-        compiler_params=compiler_params(4, 2, interpret),
+        compiler_params=lower.compiler_params(4, 2, interpret),
         interpret=interpret,
         name=f"{NAME}_forward",
     )(has, lo, hi, q, kc, vc, qseg)
@@ -236,7 +235,7 @@ def _attend_bwd(statics, residuals, g):
         ],
         out_specs=tile(tq, d),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=compiler_params(4, 2, interpret),
+        compiler_params=lower.compiler_params(4, 2, interpret),
         interpret=interpret,
         name=f"{NAME}_dq",
     )(has, lo, hi, q, kc, vc, g, lse, delta, qseg)
@@ -258,7 +257,7 @@ def _attend_bwd(statics, residuals, g):
             jax.ShapeDtypeStruct(kc.shape, kc.dtype),
             jax.ShapeDtypeStruct(vc.shape, vc.dtype),
         ],  # fmt: skip
-        compiler_params=compiler_params(4, 2, interpret),
+        compiler_params=lower.compiler_params(4, 2, interpret),
         interpret=interpret,
         name=f"{NAME}_dkdv",
     )(has, lo, hi, q, kc, vc, g, lse, delta, qseg)
