@@ -2,6 +2,7 @@
 #   make demo       train/run the default experiment (see README)
 #   make test       the default suite: corpora, browser and SLURM (if they can be had), tests
 #   make test-all   the whole suite, runs marked slow included (what CI runs)
+#   make test-newest  the default suite on the newest JAX the ranges admit (CI runs it too)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,7 +17,7 @@ TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 PYTEST := $(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-.PHONY: setup extras prepare browser slurm test test-all test-slow test-gpu gpu-bundle demo bench lint format clean
+.PHONY: setup extras prepare browser slurm test test-all test-newest test-slow test-gpu gpu-bundle demo bench lint format clean
 
 setup: $(STAMP)
 
@@ -66,6 +67,12 @@ test-all: setup extras prepare browser slurm
 	  echo "make test-all: $$(( $$(date +%s) - start )) s of tests ($(TEST_WORKERS) workers)"; exit $$status
 
 test-slow: test-all  # the former name
+
+# The default suite on the newest jax/flax/optax/orbax the ranges admit, in .venv-newest on
+# a Python >= 3.12 (the machine's, else Debian trixie's set up in a folder): JAX 0.11 and
+# later need it, so the machine's Python 3.11 never sees them. CI runs it after test-all.
+test-newest: prepare
+	@TEST_WORKERS=$(TEST_WORKERS) tests/newest.sh
 
 # The tests marked gpu (cuDNN's fused kernel against the project's kernels), on a machine
 # with an NVIDIA GPU and a CUDA build of jax in the venv (docs/accelerator.md).

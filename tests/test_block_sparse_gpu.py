@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxformer_lite.sparse.grammar import dynamic as D
 from flaxformer_lite.sparse.grammar import patterns as P
 from flaxformer_lite.sparse.grammar.spec import parse_spec, pattern_names
 from flaxformer_lite.sparse.grammar.tiles import tile_plan
@@ -50,7 +51,7 @@ def test_every_static_pattern_has_a_spec_here():
     """Every registered pattern with a fixed rule is tested below (the dynamic ones,
     whose keys depend on the content, run on their own kernels: tests/test_routed.py)."""
     dynamic = {"topk", "moba", "nsa"}
-    assert all(isinstance(parse_spec(name)[0][0], P.Dynamic) for name in dynamic)
+    assert all(isinstance(parse_spec(name)[0][0], D.Dynamic) for name in dynamic)
     assert set(pattern_names()) - dynamic <= set(SPECS), "a new pattern needs a SPECS entry"
 
 
@@ -227,7 +228,7 @@ def test_bad_arguments_are_named():
         plan = tile_plan(P.Local(4), 64, 16, 16)
         block_sparse_attention(q, q, q, P.Local(4), block_q=16, block_k=16, plan=plan)
     with pytest.raises(ValueError, match="top-k"):
-        block_sparse_attention(q, q, q, P.TopK(4))
+        block_sparse_attention(q, q, q, D.TopK(4))
 
 
 def test_kernels_lower_to_triton():

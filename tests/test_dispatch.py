@@ -20,7 +20,7 @@ EXAMPLES = {
     "window": P.Local(8),
     "static": P.bigbird(16, 3, 1, 1),
     "routed": D.MoBA(16, 2).causal(),
-    "topk": P.TopK(8),
+    "topk": D.TopK(8),
 }
 
 

@@ -15,6 +15,7 @@ from flaxformer_lite.config.model import ConfigError
 from flaxformer_lite.model import head_groups, kernels
 from flaxformer_lite.model.head_groups import masked_dense_attention
 from flaxformer_lite.model.partitioning import unbox
+from flaxformer_lite.sparse.grammar import dynamic as D
 from flaxformer_lite.sparse.grammar import patterns as P
 from flaxformer_lite.sparse.ops.block_sparse.splash import splash_mask
 from flaxformer_lite.sparse.ops.block_sparse.xla import sparse_attention
@@ -197,7 +198,7 @@ def test_each_pattern_has_its_gpu_kernel():
     for pattern in (P.Dilated(4, 2), P.bigbird(16, 3, 1, 1), P.Local(8).causal() | P.Strided(8)):
         assert kernels.gpu_kernel(pattern) == "block_sparse"
     with pytest.raises(ValueError, match="topk attention's keys depend on the scores"):
-        kernels.gpu_kernel(P.TopK(8))
+        kernels.gpu_kernel(D.TopK(8))
 
 
 SPLASH_PATTERNS = {

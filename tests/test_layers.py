@@ -254,6 +254,9 @@ def test_sparse_names_before_the_rooms_still_import():
     from flaxformer_lite.sparse.grammar import spec as grammar_spec
 
     assert patterns is grammar_patterns and spec is grammar_spec
+    from flaxformer_lite.sparse.grammar import dynamic
+
+    assert patterns.TopK is dynamic.TopK and patterns.Dynamic is dynamic.Dynamic
     assert (PACKAGE / "sparse" / "grammar" / "patterns.py").exists()
     assert not (PACKAGE / "sparse" / "blocked.py").exists()
 

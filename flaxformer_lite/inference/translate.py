@@ -24,7 +24,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,12 +33,14 @@ from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.inference import batching, decoding
 from flaxformer_lite.inference.ahead import Ahead, Call, default_streams
 from flaxformer_lite.inference.continuous import beam_continuous, greedy_continuous
+from flaxformer_lite.inference.generate import generate
+from flaxformer_lite.inference.inputs import LONG_INPUTS, TranslateError, one_line
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
 from flaxformer_lite.workdir import location
 
-LONG_INPUTS = ("truncate", "refuse")  # what translate does with a source over max_len
+__all__ = ["LONG_INPUTS", "TranslateError", "Translator", "one_line"]
 
 
 def _without_training_only(c: ModelConfig) -> ModelConfig:
@@ -53,10 +54,6 @@ def _without_training_only(c: ModelConfig) -> ModelConfig:
         target_token_dropout=0.0,
         dropout_bits=8,
     )
-
-
-class TranslateError(ValueError):
-    """Bad input to the translator; the message names the value and the fix."""
 
 
 def _padded(x: np.ndarray, rows: np.ndarray, m: int):
@@ -359,87 +356,7 @@ class Translator:
         seed: int = 0,
         first_index: int = 0,
     ) -> list[str]:
-        """Continuations of ``prompts`` by a language-model run (one text per prompt).
-
-        Each prompt's pieces are forced after BOS, then up to ``max_new_tokens``
-        (default: 50, or ``model.max_len - 1`` if smaller) pieces are sampled until
-        EOS (the LM's end of a training line).
-        ``temperature=0`` is greedy; ``top_k`` > 0 and ``top_p`` < 1 filter the
-        distribution first. The same ``seed`` gives the same texts (``first_index``:
-        the first prompt's index in a longer stream cut into calls, whose texts are
-        then those of one call when the cuts fall on whole batches). An empty prompt
-        samples from scratch. A prompt too long for ``model.max_len`` keeps its
-        last pieces (with a warning) or is refused (``too_long='refuse'``).
-        """
-        if not isinstance(self.model, LanguageModel):
-            raise TranslateError("this workdir holds a translation model; use translate()")
-        if isinstance(prompts, str):
-            raise TranslateError("generate() takes a list of prompts, not one string")
-        limit = self.config.max_len
-        if max_new_tokens is None:
-            max_new_tokens = min(50, limit - 1)
-        if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens < limit:
-            raise TranslateError(
-                f"max_new_tokens={max_new_tokens!r} must be an integer in [1, {limit - 1}] "
-                f"(model.max_len={limit} holds the prompt and the continuation)"
-            )
-        if not (isinstance(temperature, int | float) and temperature >= 0):
-            raise TranslateError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
-        if not isinstance(top_k, int) or top_k < 0:
-            raise TranslateError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
-        if not (isinstance(top_p, int | float) and 0 < top_p <= 1):
-            raise TranslateError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
-        room = limit - max_new_tokens
-        forced = []
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise TranslateError(f"prompt {i} is {type(p).__name__}, not a string")
-            p = one_line(p).strip()
-            ids = self.tokenizer.encode(p, add_eos=False) if p else []
-            if len(ids) > room:
-                if self.too_long == "refuse":
-                    raise TranslateError(
-                        f"prompt {i} has {len(ids)} pieces; with max_new_tokens={max_new_tokens} "
-                        f"at most {room} fit model.max_len={limit}: shorten it, lower "
-                        "max_new_tokens or use too_long='truncate'"
-                    )
-                warnings.warn(
-                    f"prompt {i} has {len(ids)} pieces; kept its last {room}", stacklevel=2
-                )
-                ids = ids[len(ids) - room :]
-            forced.append(np.asarray(ids, np.int32))
-        c = self.config
-        results = []
-        size = self.batch_size or 32  # prompts a batch
-        for start in range(0, len(forced), size):
-            chunk = forced[start : start + size]
-            longest = max((len(f) for f in chunk), default=0)
-            # Bucketed lengths limit recompiles, like the translation batches.
-            length = min(2 ** math.ceil(math.log2(max(longest + max_new_tokens, 8))), limit)
-            prefix = np.zeros((size, length), np.int32)  # 0 = not forced
-            for r, f in enumerate(chunk):
-                prefix[r, : len(f)] = f
-            # kept as a program (inference/programs.py): a later process loads it untraced
-            call = Call(
-                decoding.sample, self.model, self.params, None, max_length=length,
-                eos_id=c.eos_id, bos_id=c.bos_id,
-                rng=jax.random.fold_in(jax.random.key(seed), first_index + start),
-                temperature=float(temperature), top_k=top_k, top_p=float(top_p),
-                prefix=jnp.asarray(prefix),
-            )  # fmt: skip
-            ids = call(call.compile())
-            for r, f in enumerate(chunk):
-                row = np.asarray(ids[r]).tolist()
-                results.append(self.tokenizer.decode(row[len(f) : len(f) + max_new_tokens]))
-        return results
-
-
-# Characters that end a line for str.splitlines() or a terminal, besides "\n": inside a
-# line they would split one input or output line into several.
-_BREAKS = dict.fromkeys([*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F, 0x85, 0x2028, 0x2029], " ")
-
-
-def one_line(text: str) -> str:
-    """``text`` with tabs kept and other control characters and line or paragraph
-    separators replaced by spaces: one line in, one line out."""
-    return text.translate(_BREAKS)
+        """Continuations of ``prompts`` by a language-model run (one text per prompt):
+        :func:`flaxformer_lite.inference.generate.generate`, which says how."""
+        return generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                        first_index)  # fmt: skip

@@ -172,7 +172,7 @@ def dense_scores(
             sl = slice(g * per, (g + 1) * per)
             params = (nsa_params or {}).get(g)
             masks.append(_routed_mask(query[:, :, sl], key[:, :, sl], p, segments, params))
-        elif isinstance(p, P.TopK):  # the keys scoring at least the k-th best
+        elif isinstance(p, D.TopK):  # the keys scoring at least the k-th best
             allowed = jnp.tril(jnp.ones((n, n), bool)) if p.is_causal else jnp.ones((n, n), bool)
             group = jnp.where(allowed, scores[:, g * per : (g + 1) * per], -jnp.inf)
             kth = jax.lax.top_k(group, min(p.k, n))[0][..., -1:]
@@ -218,7 +218,7 @@ def decode_mask(
     query ranks first, as the full forward chose (``nsa``: its selected blocks and
     window; :func:`nsa_decode_groups` then computes its gated branches)."""
     per = num_heads // len(patterns)
-    if any(isinstance(p, P.TopK) for p in patterns):
+    if any(isinstance(p, D.TopK) for p in patterns):
         raise PatternSpecError(
             "cached decoding is not implemented for topk attention: its keys depend on "
             "the scores of every key; evaluate perplexity, or use moba/nsa or a static "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flaxformer_lite.sparse.grammar import dynamic as D
 from flaxformer_lite.sparse.grammar import patterns as P
 
 __all__ = ["FAMILIES", "IMPLS", "KERNELS", "TABLE", "Kernel", "Refused", "cudnn_computes", "family",
@@ -70,9 +71,9 @@ def family(pattern: P.Pattern | None) -> str:
     """The row of :data:`TABLE` of a head group's pattern (None: dense attention)."""
     if pattern is None:
         return "dense"
-    if isinstance(pattern, P.TopK):
+    if isinstance(pattern, D.TopK):
         return "topk"
-    if isinstance(pattern, P.Dynamic):  # moba, nsa
+    if isinstance(pattern, D.Dynamic):  # moba, nsa
         return "routed"
     if type(pattern) is P.Full:  # causal or not
         return "full"

@@ -29,7 +29,7 @@ import numpy as np
 
 from flaxformer_lite.inference.streaming import read_lines
 from flaxformer_lite.inference.translate import Translator
-from flaxformer_lite.sparse.grammar import patterns as P
+from flaxformer_lite.sparse.grammar import dynamic as D
 from flaxformer_lite.sparse.grammar.spec import parse_spec
 from flaxformer_lite.views.attention_maps import attention_maps
 from flaxformer_lite.workdir import location
@@ -41,9 +41,9 @@ def _pattern_mask(spec: str, q: int, k: int, causal: bool) -> np.ndarray | None:
     """``[q, k]`` bool mask of a static pattern spec (one pattern for every head), or
     None for a top-k spec (dynamic, computed from the weights)."""
     (pattern,) = parse_spec(spec, block_size=max(1, _spec_block(spec)))[0]
-    if isinstance(pattern, P.TopK):
+    if isinstance(pattern, D.TopK):
         return None
-    if isinstance(pattern, P.Dynamic):
+    if isinstance(pattern, D.Dynamic):
         raise ValueError(
             f"--pattern={spec}: its blocks are routed from the model's queries and keys, "
             "not from the weights; measure static patterns or topk:k=K"

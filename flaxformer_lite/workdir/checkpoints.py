@@ -49,7 +49,7 @@ def _manager(directory, asynchronous: bool = False, **options) -> ocp.Checkpoint
 def _abstract(tree):
     """Shapes, dtypes and shardings of ``tree``; a leaf without a sharding (e.g. from
     ``jax.eval_shape``) is restored onto one device, whatever mesh saved it."""
-    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    one = _one_device()
 
     def leaf(x):
         x = ocp.utils.to_shape_dtype_struct(x)
@@ -293,8 +293,17 @@ def _pick_step(workdir, kind: str, step: int | None) -> int:
     return step
 
 
+def _one_device() -> jax.sharding.Sharding:
+    """The first local device as a sharding (``make_single_device_sharding`` since jax
+    0.11, which deprecates constructing ``SingleDeviceSharding`` directly)."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is None:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return make(jax.local_devices()[0])
+
+
 def _on_one_device(target):
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    device = _one_device()
     return jax.tree.map(lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=device), target)
 
 

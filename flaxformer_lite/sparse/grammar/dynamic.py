@@ -1,8 +1,9 @@
-"""The block-routed dynamic patterns as data (their kernels: ``routed``, ``nsa``).
+"""The patterns whose keys depend on the content, as data (their kernels:
+``sparse/ops/topk``, ``moba``, ``nsa``).
 
-Like :class:`~flaxformer_lite.sparse.grammar.patterns.TopK`, which keys a query reads depends on
-the content, so these have no fixed mask or cover; unlike it, they read ``k`` blocks
-per query block, not every score: sub-quadratic. They import nothing but the pattern
+Which keys a query reads depends on the content, so these have no fixed mask or cover.
+``TopK`` scores every key; MoBA and NSA read ``k`` blocks per query block, not every
+score: sub-quadratic. They import nothing but the pattern
 base, so the config validates them without JAX.
 """
 
@@ -10,7 +11,37 @@ from __future__ import annotations
 
 import dataclasses
 
-from flaxformer_lite.sparse.grammar.patterns import Dynamic, _check_positive
+from flaxformer_lite.sparse.grammar import patterns
+from flaxformer_lite.sparse.grammar.patterns import Pattern, _check_positive
+
+
+@dataclasses.dataclass(frozen=True)
+class Dynamic(Pattern):
+    """The patterns whose keys depend on the content (``TopK``; MoBA and NSA in
+    :mod:`~flaxformer_lite.sparse.grammar.dynamic`): no fixed rule or cover, their own kernels
+    (``label`` and ``kernel`` name them in errors)."""
+
+    label = "dynamic attention"
+    kernel = "its own kernel"
+
+    def _allows(self, i, j, n):
+        raise ValueError(f"{self.label} has no fixed mask: its keys depend on the content")
+
+    def _plans(self, n, block):
+        raise ValueError(f"{self.label} has no fixed cover: it is computed by {self.kernel}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Dynamic):
+    """Each query keeps its ``k`` highest-scoring keys (Routing/learned-sparsity family):
+    :func:`~flaxformer_lite.sparse.ops.topk.xla.topk_attention` (time n^2, memory ``block * n``)."""
+
+    k: int = 64
+    label = "top-k attention"
+    kernel = "sparse.topk"
+
+    def __post_init__(self):
+        _check_positive("topk", k=self.k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,3 +79,8 @@ class NSA(Dynamic):
 
     def __post_init__(self):
         _check_positive("nsa", block=self.block, k=self.k, window=self.window)
+
+
+# ``patterns.Dynamic`` and ``patterns.TopK``, where they were defined before this file held
+# them, kept for one release (the sparse package imports this module with ``patterns``).
+patterns.Dynamic, patterns.TopK = Dynamic, TopK

@@ -300,35 +300,6 @@ def _random_table(pattern: RandomBlocks, n: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class Dynamic(Pattern):
-    """The patterns whose keys depend on the content (``TopK``; MoBA and NSA in
-    :mod:`~flaxformer_lite.sparse.grammar.dynamic`): no fixed rule or cover, their own kernels
-    (``label`` and ``kernel`` name them in errors)."""
-
-    label = "dynamic attention"
-    kernel = "its own kernel"
-
-    def _allows(self, i, j, n):
-        raise ValueError(f"{self.label} has no fixed mask: its keys depend on the content")
-
-    def _plans(self, n, block):
-        raise ValueError(f"{self.label} has no fixed cover: it is computed by {self.kernel}")
-
-
-@dataclasses.dataclass(frozen=True)
-class TopK(Dynamic):
-    """Each query keeps its ``k`` highest-scoring keys (Routing/learned-sparsity family):
-    :func:`~flaxformer_lite.sparse.ops.topk.xla.topk_attention` (time n^2, memory ``block * n``)."""
-
-    k: int = 64
-    label = "top-k attention"
-    kernel = "sparse.topk"
-
-    def __post_init__(self):
-        _check_positive("topk", k=self.k)
-
-
-@dataclasses.dataclass(frozen=True)
 class Union(Pattern):
     """Pairs allowed by any part; its cover is the union of the parts' covers."""
 

@@ -93,7 +93,7 @@ _ATOMS = {
         lambda a, blk, seed: P.longformer(a["window"], tuple(range(a["global"]))),
     ),
     "etc": ({"window": 128, "global": 8}, lambda a, blk, seed: P.etc(a["window"], a["global"])),
-    "topk": ({"k": 64}, lambda a, blk, seed: P.TopK(a["k"])),
+    "topk": ({"k": 64}, lambda a, blk, seed: D.TopK(a["k"])),
     "moba": (
         {"block": None, "k": 3, "block_gate": 0},
         lambda a, blk, seed: D.MoBA(a["block"] or blk, a["k"], bool(a["block_gate"])),
@@ -191,11 +191,11 @@ def _parse_heads(text: str, block_size: int, seed: int) -> P.Pattern:
     for term in text.split("+"):
         atoms = [_parse_atom(a, block_size, seed) for a in term.split("&")]
         terms.append(atoms[0] if len(atoms) == 1 else P.Intersection(tuple(atoms)))
-        if len(atoms) > 1 and any(isinstance(a, P.Dynamic) for a in atoms):
+        if len(atoms) > 1 and any(isinstance(a, D.Dynamic) for a in atoms):
             raise PatternSpecError(
                 f"{text!r}: {_dynamic(atoms)} cannot be combined with other patterns"
             )
-    if len(terms) > 1 and any(isinstance(t, P.Dynamic) for t in terms):
+    if len(terms) > 1 and any(isinstance(t, D.Dynamic) for t in terms):
         raise PatternSpecError(
             f"{text!r}: {_dynamic(terms)} cannot be combined with other patterns"
         )
@@ -204,8 +204,8 @@ def _parse_heads(text: str, block_size: int, seed: int) -> P.Pattern:
 
 def _dynamic(patterns) -> str:
     """The spec name of the first dynamic pattern among ``patterns``."""
-    found = next(p for p in patterns if isinstance(p, P.Dynamic))
-    return {P.TopK: "topk", D.MoBA: "moba", D.NSA: "nsa"}.get(type(found), type(found).__name__)
+    found = next(p for p in patterns if isinstance(p, D.Dynamic))
+    return {D.TopK: "topk", D.MoBA: "moba", D.NSA: "nsa"}.get(type(found), type(found).__name__)
 
 
 def is_dense(spec: str) -> bool:
@@ -259,7 +259,7 @@ def check_spec(
         for pattern in layer_patterns(
             spec, layer, num_heads, block_size=block_size, seed=0, causal=False
         ):
-            if not isinstance(pattern, P.Dynamic):  # (dynamic: nothing to plan)
+            if not isinstance(pattern, D.Dynamic):  # (dynamic: nothing to plan)
                 pattern.plans(2 * block_size + 1, block_size)  # surfaces bad parameters early
 
 
