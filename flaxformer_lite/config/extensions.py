@@ -39,6 +39,7 @@ import json
 import os
 import re
 import sys
+import tokenize
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,7 @@ def claim(kind: str, name: str, factory: Any, taken: bool) -> bool:
     try:
         file = inspect.getsourcefile(factory) or "?"
         code = (digest(Path(file)), factory.__qualname__, inspect.getsourcelines(factory)[1])
-    except (TypeError, OSError):
+    except (TypeError, OSError, SyntaxError, tokenize.TokenError):  # no file, or not its source
         file, code = "?", ("?", id(factory))
     where = _LOADING[-1] if _LOADING else file
     before = _ORIGINS.get((kind, name))

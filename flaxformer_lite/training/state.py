@@ -25,6 +25,10 @@ from flaxformer_lite.model.classifier import Classifier
 from flaxformer_lite.model.lm import LanguageModel
 from flaxformer_lite.training.schedules import make_schedule
 
+# The gradients' global norm: optax.tree.norm where optax has it (0.2.5 and later deprecate
+# optax.global_norm in its favour).
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -131,7 +135,7 @@ def skip_spikes(
         )
 
     def update(grads, state, params=None, **extra_args):
-        norm = optax.global_norm(grads).astype(jnp.float32)
+        norm = _global_norm(grads).astype(jnp.float32)
         median = jnp.nanmedian(state.norms)
         spike = (state.accepted >= SPIKE_GUARD_MIN) & (norm > factor * median)
         updates, inner_state = optax.with_extra_args_support(inner).update(
