@@ -7,9 +7,9 @@
 # leg installs the project with every dependency at its newest allowed version
 # (`pip install --upgrade --upgrade-strategy eager`) into its own venv on a Python >= 3.12:
 #   1. the machine's own (NEWEST_PYTHON, python3.14 .. python3.12 on the PATH, pyenv's);
-#   2. else Debian trixie's (Python 3.13), installed from Debian's packages with
-#      debootstrap into NEWEST_ROOT (root or sudo; ~1 minute) and entered with chroot,
-#      the project folder bound inside.
+#   2. else (or with NEWEST_PYTHON=debian) Debian trixie's (Python 3.13), installed from
+#      Debian's packages with debootstrap into NEWEST_ROOT (root or sudo; ~1 minute) and
+#      entered with chroot, the project folder bound inside.
 # The extras (torch, transformers, wandb, papermill) are not installed here: their tests
 # skip with one line, as on a machine without them; the corpora are the ones
 # `make prepare` extracted (data/raw). Prints the versions it ran with.
@@ -59,7 +59,7 @@ PY
   return $status
 }
 
-if python=$(find_python); then
+if [ "${NEWEST_PYTHON:-}" != debian ] && python=$(find_python); then
   run_suite "$python"
   exit $?
 fi
@@ -91,10 +91,15 @@ $SUDO mount --bind "$project" "$ROOT/project"
 $SUDO mount -t proc proc "$ROOT/proc"
 $SUDO mount --bind /dev "$ROOT/dev"
 $SUDO cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
-proxies=()  # PyPI through the machine's proxy, if it has one
+proxies=()  # PyPI through the machine's proxy and index, if it has them
 for v in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY PIP_INDEX_URL; do
   [ -n "${!v:-}" ] && proxies+=("$v=${!v}")
 done
+# The machine's trusted certificates (a proxy's own authority among them) for pip inside.
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  $SUDO cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/machine-ca.crt"
+  proxies+=(PIP_CERT=/etc/ssl/certs/machine-ca.crt SSL_CERT_FILE=/etc/ssl/certs/machine-ca.crt)
+fi
 $SUDO chroot "$ROOT" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root "${proxies[@]}" \
   TEST_WORKERS="$WORKERS" NEWEST_PYTHON=/usr/bin/python3 NEWEST_VENV=/root/venv-newest \
   /bin/bash /project/tests/newest.sh
