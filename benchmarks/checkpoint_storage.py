@@ -49,7 +49,7 @@ from flaxformer_lite.training import parallel, startup  # noqa: E402
 from flaxformer_lite.training.state import create_train_state, make_optimizer  # noqa: E402
 from flaxformer_lite.training.train import train_and_evaluate  # noqa: E402
 from flaxformer_lite.workdir import checkpoints as ckpt_lib  # noqa: E402
-from flaxformer_lite.workdir import location  # noqa: E402
+from flaxformer_lite.workdir import location, storage  # noqa: E402
 from tests import gcs_server  # noqa: E402
 
 BUCKET = "bench"
@@ -100,7 +100,7 @@ def paper_base_io(local_root: Path, rounds: int) -> dict:
             times[where].setdefault("save", []).append(saved - started)
             times[where].setdefault("restore", []).append(done - saved)
             print(f"round {r} {where}: save {saved - started:.2f} s, restore {done - saved:.2f} s")
-            location.remove_tree(root)
+            storage.remove_tree(root)
     return {"state_bytes": _state_bytes(state), "times": times}
 
 
@@ -150,7 +150,7 @@ def training(local_root: Path, rounds: int, steps: int, every: int) -> dict:
                 train_and_evaluate(config, workdir)
             speeds[setting].append(_steps_per_second(workdir))
             print(f"round {r} {setting}: {speeds[setting][-1]:.2f} steps/s", flush=True)
-            location.remove_tree(workdir)
+            storage.remove_tree(workdir)
     return {"steps": steps, "every": every, "steps_per_second": speeds}
 
 

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
-from flaxformer_lite.workdir import location, lock
+from flaxformer_lite.workdir import location, lock, storage
 from tests import fixtures, gcs_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -188,12 +188,12 @@ def test_the_lock_is_an_object_with_preconditions(gcs, capsys):
 
 def test_files_and_folders_in_a_bucket(gcs):
     root = _bucket_path("files")
-    log = location.AppendFile(root / "metrics.jsonl")
+    log = storage.AppendFile(root / "metrics.jsonl")
     log.write("a\n")
     log.flush()
     log.write("b\n")
     log.close()
-    again = location.AppendFile(root / "metrics.jsonl")  # a resumed run appends
+    again = storage.AppendFile(root / "metrics.jsonl")  # a resumed run appends
     again.write("c\n")
     again.close()
     assert (root / "metrics.jsonl").read_text() == "a\nb\nc\n"
@@ -201,14 +201,14 @@ def test_files_and_folders_in_a_bucket(gcs):
 
     assert logs.run_logged([sys.executable, "-c", "print('\\xe9t\\xe9')"], root / "x.log") == 0
     assert logs.tail(root / "x.log", 1) == "été"
-    location.write_atomic(root / "staging/sub/x.txt", "x")
-    location.write_atomic(root / "staging/done.txt", "done")
-    location.write_atomic(root / "target/old.txt", "old")
-    location.replace_folder(root / "staging", root / "target", last=("done.txt",))
+    storage.write_atomic(root / "staging/sub/x.txt", "x")
+    storage.write_atomic(root / "staging/done.txt", "done")
+    storage.write_atomic(root / "target/old.txt", "old")
+    storage.replace_folder(root / "staging", root / "target", last=("done.txt",))
     assert (root / "target/sub/x.txt").read_text() == "x"
     assert (root / "target/done.txt").read_text() == "done"
     assert not (root / "target/old.txt").exists() and not (root / "staging").exists()
-    assert location.local_copy(root / "target/sub/x.txt") != location.local_copy(
+    assert storage.local_copy(root / "target/sub/x.txt") != storage.local_copy(
         root / "target/done.txt"
     )
 
@@ -220,8 +220,8 @@ def test_a_corpus_and_a_data_folder_in_a_bucket(gcs, monkeypatch, tmp_path, caps
     from flaxformer_lite.data import files, sources
 
     corpus, data_dir = _bucket_path("corpus"), _bucket_path("tfds")
-    location.write_atomic(corpus / "train.en", "".join(f"a house {i}\n" for i in range(300)))
-    location.write_atomic(corpus / "train.de", "".join(f"ein Haus {i}\n" for i in range(300)))
+    storage.write_atomic(corpus / "train.en", "".join(f"a house {i}\n" for i in range(300)))
+    storage.write_atomic(corpus / "train.de", "".join(f"ein Haus {i}\n" for i in range(300)))
     dataset = f"files:{corpus}"
     monkeypatch.setenv("FLAXFORMER_CACHE", str(tmp_path / "first"))
     texts = sources.load_texts(dataset, "train", ("en", "de"), str(data_dir))
@@ -232,7 +232,7 @@ def test_a_corpus_and_a_data_folder_in_a_bucket(gcs, monkeypatch, tmp_path, caps
     monkeypatch.setenv("FLAXFORMER_CACHE", str(tmp_path / "fresh"))  # another machine
     assert sources.load_texts(dataset, "train", ("en", "de"), str(data_dir)) == texts
     assert "files: building" not in capsys.readouterr().out  # fetched, not built
-    location.write_atomic(corpus / "train.de", "ein Haus\n")  # the files changed
+    storage.write_atomic(corpus / "train.de", "ein Haus\n")  # the files changed
     with pytest.raises(files.CorpusError, match=f"{corpus}/train.de has 1 lines"):
         files.build(dataset, ("en", "de"), str(data_dir))
     with pytest.raises(location.StorageError, match="data.data_dir=gs://nowhere/tfds: the"):
@@ -245,7 +245,7 @@ def _objects(folder) -> set[str]:
     """The names of the files under ``folder`` (a bucket's), relative to it."""
     names = set()
     for root, _, files in folder.walk():
-        relative = os.path.relpath(location._bare(root), location._bare(folder))
+        relative = os.path.relpath(storage._bare(root), storage._bare(folder))
         names |= {name if relative == "." else f"{relative}/{name}" for name in files}
     return names
 
@@ -428,4 +428,4 @@ def test_a_runs_extensions_kept_in_a_bucket(gcs, tmp_path, monkeypatch):
     assert read_config(run).model.ffn == "t_glu"
     imported = [m for m in sys.modules.values() if getattr(m, "__name__", "").startswith(
         "flaxformer_extension_lab_ext")]  # fmt: skip
-    assert any(location.cache_folder() in (m.__file__ or "") for m in imported)
+    assert any(storage.cache_folder() in (m.__file__ or "") for m in imported)

@@ -37,7 +37,7 @@ from flaxformer_lite.data import (
 from flaxformer_lite.data.table import ExampleTable
 from flaxformer_lite.data.token_store import Store, View
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer, load_or_train
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 
 @dataclasses.dataclass
@@ -368,7 +368,7 @@ def check_corpus(workdir, dataset: str, fingerprint: str) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"dataset": dataset, "fingerprint": fingerprint}
-    location.write_atomic(path, json.dumps(record, indent=2))
+    storage.write_atomic(path, json.dumps(record, indent=2))
 
 
 def validation_examples(

@@ -24,7 +24,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 TFDS_MARKER = "dataset_info.json"
 
@@ -39,7 +39,7 @@ def local_root(data_dir) -> str:
 @functools.lru_cache(maxsize=8)
 def _cached_root(url: str) -> str:
     location.check(url, "data.data_dir")  # once per process: a bad bucket in one line
-    return location.cache_folder("data", hashlib.sha256(url.encode()).hexdigest()[:16])
+    return storage.cache_folder("data", hashlib.sha256(url.encode()).hexdigest()[:16])
 
 
 def _relative(data_dir, folder: str) -> str:
@@ -54,7 +54,7 @@ def fetch(data_dir, folder: str, marker: str = TFDS_MARKER) -> bool:
     remote = location.path(data_dir) / _relative(data_dir, folder)
     if not (remote / marker).exists():
         return False
-    location.copy_tree(remote, location.path(folder), last=(marker,))
+    storage.copy_tree(remote, location.path(folder), last=(marker,))
     return True
 
 
@@ -66,7 +66,7 @@ def publish(data_dir, folder: str, marker: str = TFDS_MARKER) -> bool:
     remote = location.path(data_dir) / _relative(data_dir, folder)
     if (remote / marker).exists():
         return False
-    location.copy_tree(location.path(folder), remote, last=(marker,))
+    storage.copy_tree(location.path(folder), remote, last=(marker,))
     return True
 
 
@@ -88,7 +88,7 @@ def local_corpus(url: str) -> str:
     """A copy of the corpus file or (flat) folder at ``url`` in this machine's cache; a
     file is fetched again only where its size or time in the bucket changed."""
     remote = location.check(url, "data.dataset=files")
-    folder = location.cache_folder("corpora", hashlib.sha256(url.encode()).hexdigest()[:16])
+    folder = storage.cache_folder("corpora", hashlib.sha256(url.encode()).hexdigest()[:16])
     if not remote.exists():
         raise FileNotFoundError(f"data.dataset=files:{url}: no such file or folder")
     if not remote.is_dir():
@@ -108,6 +108,6 @@ def _copy_if_changed(remote, folder: str) -> None:
     target = os.path.join(folder, remote.name)
     if stamps.get(remote.name) == stamp and os.path.exists(target):
         return
-    location.write_atomic(location.path(target), remote.read_bytes())
+    storage.write_atomic(location.path(target), remote.read_bytes())
     stamps[remote.name] = stamp
-    location.write_atomic(location.path(stamps_file), json.dumps(stamps))
+    storage.write_atomic(location.path(stamps_file), json.dumps(stamps))

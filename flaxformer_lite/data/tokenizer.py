@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_NAME = "tokenizer.model"
@@ -89,7 +89,7 @@ class Tokenizer:
         origin = location.path(path, "tokenizer")
         if not origin.is_file():
             raise FileNotFoundError(f"no sentencepiece model at {origin}")
-        path = Path(location.local_copy(origin))
+        path = Path(storage.local_copy(origin))
         if zipfile.is_zipfile(path):
             tokenizer = PairTokenizer.load(path)
         else:
@@ -158,7 +158,7 @@ def train_tokenizer(
             f"sentencepiece could not train a {vocab_size}-piece vocabulary ({e}); "
             "lower model.vocab_size or add training data"
         ) from e
-    location.write_atomic(path, buffer.getvalue())  # never a half-written model
+    storage.write_atomic(path, buffer.getvalue())  # never a half-written model
     return Tokenizer.load(path)
 
 
@@ -220,7 +220,7 @@ def _adopt(given, path, vocab_size: int, symbols: tuple[str, ...]) -> Tokenizer:
             )
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        location.write_atomic(path, data)  # never a half-written model
+        storage.write_atomic(path, data)  # never a half-written model
     return Tokenizer.load(path)
 
 

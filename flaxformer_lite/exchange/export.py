@@ -43,7 +43,7 @@ from flaxformer_lite.config import extensions
 from flaxformer_lite.config.model import ModelConfig
 from flaxformer_lite.data.tokenizer import EOS_ID, PAD_ID, PairTokenizer, Tokenizer
 from flaxformer_lite.inference.run import Run
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 from flaxformer_lite.workdir.layer_layout import unrolled
 
 MARIAN_EPSILON = 1e-5
@@ -334,7 +334,7 @@ def export_workdir(workdir, fmt: str, out: str | None):
             write_ctranslate2(params, c, run.tokenizer, folder, quantization)
             what = f"a CTranslate2 model ({quantization or 'float32'}, from {name})"
         if location.is_remote(out):
-            location.replace_folder(location.path(str(folder)), out)
+            storage.replace_folder(location.path(str(folder)), out)
     print(f"wrote {out}: the {kind} checkpoint of step {step} as {what}")
     if c.layer_norm_epsilon != MARIAN_EPSILON:
         print(

@@ -25,7 +25,7 @@ from flaxformer_lite.data.packing import pad_batch
 from flaxformer_lite.data.sources import load_texts
 from flaxformer_lite.inference.run import Run
 from flaxformer_lite.inference.translate import Translator
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 from flaxformer_lite.workdir.tracker import WandbRun
 
 
@@ -113,7 +113,7 @@ def evaluate_accuracy(run: Run, split: str = "test", *, limit: int = 0) -> dict[
             rows = np.asarray([x == g for x in groups])
             by[str(g)] = float(hits[rows].sum() / counts[rows].sum())
         scores["accuracy_by_group"] = by
-    location.write_atomic(run.workdir / f"{split}_scores.json", json.dumps(scores, indent=2))
+    storage.write_atomic(run.workdir / f"{split}_scores.json", json.dumps(scores, indent=2))
     print(
         f"{d.dataset} {split} ({scores['checkpoint']}): accuracy {scores['accuracy']:.4f} "
         f"over {scores['answers']} answers"
@@ -169,8 +169,8 @@ def evaluate_workdir(
         "\t".join(x.replace("\t", " ") for x in row) + "\n"
         for row in zip(sources, references, hypotheses, strict=True)
     ]
-    location.write_atomic(workdir / f"{split}_translations.tsv", "".join(rows))
-    location.write_atomic(
+    storage.write_atomic(workdir / f"{split}_translations.tsv", "".join(rows))
+    storage.write_atomic(
         workdir / f"{split}_scores.json",
         json.dumps(
             {

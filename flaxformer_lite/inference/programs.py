@@ -45,7 +45,7 @@ from typing import Any
 import jax
 
 from flaxformer_lite.config import extensions
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 FOLDER = "searches"  # inside the compilation cache folder
 SWITCH = "FLAXFORMER_LITE_STORED_SEARCHES"  # "0": keep programs in memory only
@@ -219,7 +219,7 @@ def folder() -> Path | None:
     if not cache or os.environ.get(SWITCH, "1") == "0":
         return None
     if location.is_remote(cache):
-        return Path(location.cache_folder(FOLDER))
+        return Path(storage.cache_folder(FOLDER))
     return Path(os.path.expanduser(cache)) / FOLDER
 
 

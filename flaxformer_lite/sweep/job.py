@@ -24,7 +24,7 @@ import sys
 import time
 
 from flaxformer_lite.sweep import logs
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 DONE_FILE = "sweep_job.json"  # in a run's folder: its job trained (and scored) it
 
@@ -34,7 +34,7 @@ def _minutes(folder, started: float) -> None:
     path = folder / "sweep_minutes.json"
     spent = json.loads(path.read_text()) if path.exists() else []
     spent = spent if isinstance(spent, list) else []
-    location.write_atomic(path, json.dumps([*spent, (time.time() - started) / 60]))
+    storage.write_atomic(path, json.dumps([*spent, (time.time() - started) / 60]))
 
 
 def _task_id() -> str:
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
             return code
     _minutes(folder, started)
     record = {"job": _task_id(), "scored": scored, "finished": time.time()}
-    location.write_atomic(folder / DONE_FILE, json.dumps(record))
+    storage.write_atomic(folder / DONE_FILE, json.dumps(record))
     return 0
 
 

@@ -13,7 +13,7 @@ import shlex
 import subprocess
 from collections.abc import Callable
 
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 PREEMPTED = "stopped by SIG"  # what training prints when a signal stopped it early
 
@@ -46,7 +46,7 @@ def local_log(log: location.Path) -> str:
     machine's cache (started from the bucket's, so a resumed run's log keeps its past)."""
     if not location.is_remote(log):
         return location.local(log)
-    folder = location.cache_folder("logs", hashlib.sha256(str(log).encode()).hexdigest()[:24])
+    folder = storage.cache_folder("logs", hashlib.sha256(str(log).encode()).hexdigest()[:24])
     local = os.path.join(folder, log.name)
     if not os.path.exists(local):
         with open(local, "wb") as f:

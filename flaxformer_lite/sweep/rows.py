@@ -24,7 +24,7 @@ from flaxformer_lite.sweep.report import METRICS
 from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError
 from flaxformer_lite.training.flops import train_step_flops
 from flaxformer_lite.training.logging import summary_writer_class
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 from flaxformer_lite.workdir.folder import read_config
 
 RESULT_FILE = "sweep_result.json"  # in a run's folder: the run is finished
@@ -70,11 +70,11 @@ def prepare(sweep: Sweep, spec: RunSpec, workdir) -> tuple[list[str], list[str] 
     folder = workdir / spec.folder
     folder.mkdir(parents=True, exist_ok=True)
     command = sweep.command(spec, workdir)
-    location.write_atomic(folder / "command.txt", shlex.join(command) + "\n")
+    storage.write_atomic(folder / "command.txt", shlex.join(command) + "\n")
     task = sweep.base().data.task
     score = sweep.score_command(spec, workdir) if sweep.split and task != "lm" else None
     if score:  # BLEU, or a generated task's accuracy
-        location.write_atomic(folder / SCORE_FILE, shlex.join(score) + "\n")
+        storage.write_atomic(folder / SCORE_FILE, shlex.join(score) + "\n")
     return command, score
 
 
@@ -91,7 +91,7 @@ def collect(sweep: Sweep, spec: RunSpec, workdir, minutes: float | None) -> dict
     spent = read_json(attempts, list) if attempts.is_file() else []
     if minutes is not None:
         spent.append(minutes)
-        location.write_atomic(attempts, json.dumps(spent))
+        storage.write_atomic(attempts, json.dumps(spent))
     row = {"run": spec.folder, "overrides": spec.overrides, "seed": spec.seed}
     row.update(measure(folder, config))
     row["wall_minutes"] = sum(spent)
@@ -99,7 +99,7 @@ def collect(sweep: Sweep, spec: RunSpec, workdir, minutes: float | None) -> dict
         if key in scores:
             row[f"{sweep.split}_{key}"] = scores[key]
     row["status"] = "ok"
-    location.write_atomic(folder / RESULT_FILE, json.dumps(row, indent=2))
+    storage.write_atomic(folder / RESULT_FILE, json.dumps(row, indent=2))
     _hparams(workdir, sweep, spec, row)
     return row
 

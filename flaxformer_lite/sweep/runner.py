@@ -52,7 +52,7 @@ from flaxformer_lite.sweep import logs, rows, significance, slurm
 from flaxformer_lite.sweep.record import RESULTS_JSONL, SPEC_FILE
 from flaxformer_lite.sweep.report import summarize
 from flaxformer_lite.sweep.spec import RunSpec, Sweep, SweepError, parse_axis
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 RESULTS_MD = "results.md"
 
@@ -73,7 +73,7 @@ def _claim_folder(sweep: Sweep, workdir: location.Path) -> None:
             "choose a new or empty folder"
         )
     workdir.mkdir(parents=True, exist_ok=True)
-    location.write_atomic(spec_file, json.dumps(sweep.to_json(), indent=2))
+    storage.write_atomic(spec_file, json.dumps(sweep.to_json(), indent=2))
 
 
 class SweepInterrupted(SweepError):
@@ -265,7 +265,7 @@ def run_sweep(
 
 def report(sweep: Sweep, runs: list[RunSpec], ordered: list[dict], workdir) -> None:
     """results.jsonl, results.md (with the baseline's significance) and results.png."""
-    location.write_atomic(workdir / RESULTS_JSONL, "".join(json.dumps(r) + "\n" for r in ordered))
+    storage.write_atomic(workdir / RESULTS_JSONL, "".join(json.dumps(r) + "\n" for r in ordered))
     text = summarize(sweep, ordered)
     baseline, verdicts = None, None
     if sweep.baseline:
@@ -273,7 +273,7 @@ def report(sweep: Sweep, runs: list[RunSpec], ordered: list[dict], workdir) -> N
         baseline = significance.find_baseline(points, sweep.baseline)
         section, verdicts = significance.report(ordered, baseline, sweep.split, workdir)
         text += section
-    location.write_atomic(workdir / RESULTS_MD, text)
+    storage.write_atomic(workdir / RESULTS_MD, text)
     significance.figure(ordered, baseline, sweep.split, workdir, verdicts)
 
 

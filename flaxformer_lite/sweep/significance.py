@@ -27,7 +27,7 @@ import statistics
 from typing import Any
 
 from flaxformer_lite.sweep.spec import find_baseline
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 __all__ = ["compare", "figure", "find_baseline", "paired_bootstrap", "report", "t_test"]
 
@@ -210,5 +210,5 @@ def figure(rows: list[dict[str, Any]], baseline: str | None, split: str, workdir
         final.set_xticks(range(len(points)), labels, rotation=20, fontsize=7, ha="right")
         final.set(ylabel=_name(key), title="final (mean ± std over seeds)")
     fig.tight_layout()
-    location.save_figure(fig, workdir / "results.png", dpi=110)
+    storage.save_figure(fig, workdir / "results.png", dpi=110)
     plt.close(fig)

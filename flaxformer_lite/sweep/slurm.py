@@ -32,7 +32,7 @@ from flaxformer_lite.config.launch import LaunchConfig
 from flaxformer_lite.sweep import logs, rows
 from flaxformer_lite.sweep.job import DONE_FILE
 from flaxformer_lite.sweep.spec import RunSpec, SweepError
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 FOLDER = "slurm"
 JOBS = "jobs.json"
@@ -95,7 +95,7 @@ def script(folder: str, runs_file: str, count: int, launch: LaunchConfig, name: 
 
 
 def _absolute(workdir) -> str:
-    return str(location.absolute(workdir))
+    return str(storage.absolute(workdir))
 
 
 def jobs(workdir) -> dict[str, dict]:
@@ -117,11 +117,11 @@ def submit(workdir, specs: list[RunSpec], launch: LaunchConfig, name: str) -> st
     number = 1 + sum(1 for p in root.iterdir() if p.name.endswith(".sbatch"))
     runs_file = root / f"array-{number}.runs"
     folder = _absolute(workdir)
-    location.write_atomic(runs_file, "".join(f"{folder}/{s.folder}\n" for s in specs))
+    storage.write_atomic(runs_file, "".join(f"{folder}/{s.folder}\n" for s in specs))
     path = root / f"array-{number}.sbatch"
-    location.write_atomic(path, script(folder, str(location.absolute(runs_file)), len(specs),
+    storage.write_atomic(path, script(folder, str(storage.absolute(runs_file)), len(specs),
                                        launch, name))  # fmt: skip
-    out = subprocess.run(["sbatch", "--parsable", location.local_copy(path)],
+    out = subprocess.run(["sbatch", "--parsable", storage.local_copy(path)],
                          capture_output=True, text=True)  # fmt: skip
     if out.returncode:
         raise SweepError(_refusal(out.stderr, launch))
@@ -129,7 +129,7 @@ def submit(workdir, specs: list[RunSpec], launch: LaunchConfig, name: str) -> st
     recorded = jobs(workdir)
     for i, spec in enumerate(specs):
         recorded[spec.folder] = {"job": f"{array}_{i}", "submitted": time.time()}
-    location.write_atomic(root / JOBS, json.dumps(recorded, indent=1))
+    storage.write_atomic(root / JOBS, json.dumps(recorded, indent=1))
     return array
 
 
@@ -247,7 +247,7 @@ def _collect(sweep, spec: RunSpec, workdir, launch: LaunchConfig) -> None:
         command = shlex.split(score.read_text())
         if logs.run_logged(command, folder / "evaluate.log"):
             return  # reported as failed below, from the log's tail
-        location.write_atomic(folder / SCORED, "")
+        storage.write_atomic(folder / SCORED, "")
     rows.collect(sweep, spec, workdir, None)
 
 

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 
 def _efficiency(metrics: dict[str, float]) -> str:
@@ -56,12 +56,12 @@ def summary_writer_class():
 
 class _BucketEventFiles:
     """tensorboardX's writer factory for a bucket's event files: each an
-    :class:`~flaxformer_lite.workdir.location.AppendFile` (uploaded whole, beside the
+    :class:`~flaxformer_lite.workdir.storage.AppendFile` (uploaded whole, beside the
     steps). tensorboardX's own GCS writer uploads in the step and again when collected,
     after its close."""
 
-    def open(self, path: str) -> location.AppendFile:
-        return location.AppendFile(location.path(path), binary=True)
+    def open(self, path: str) -> storage.AppendFile:
+        return storage.AppendFile(location.path(path), binary=True)
 
     def directory_check(self, path: str) -> None:
         """A bucket needs no folder made first."""
@@ -87,7 +87,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.deadline = deadline
         self.enabled = enabled
-        self.jsonl = location.AppendFile(self.workdir / "metrics.jsonl") if enabled else None
+        self.jsonl = storage.AppendFile(self.workdir / "metrics.jsonl") if enabled else None
         self.tb = SummaryWriter(str(self.workdir / "tensorboard")) if enabled else None
         self.start_time = time.perf_counter()
         self.start_step: int | None = None
@@ -114,7 +114,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.examples_file is None:
-            self.examples_file = location.AppendFile(self.workdir / "examples.jsonl")
+            self.examples_file = storage.AppendFile(self.workdir / "examples.jsonl")
         ids = [int(i) for i in example_ids.ravel() if i >= 0]
         self.examples_file.write(json.dumps({"step": step, "ids": ids}) + "\n")
         self.examples_file.flush()

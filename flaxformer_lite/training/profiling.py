@@ -17,7 +17,7 @@ import tempfile
 import jax
 
 from flaxformer_lite.config.profile import profile_steps
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 
 class StepProfile:
@@ -59,6 +59,6 @@ class StepProfile:
             self.tracing = False
             jax.profiler.stop_trace()
             if self.staging is not None:  # a bucket's run: the trace goes there now
-                location.copy_tree(location.path(self.staging), self.folder)
+                storage.copy_tree(location.path(self.staging), self.folder)
                 shutil.rmtree(self.staging, ignore_errors=True)
                 self.staging = None

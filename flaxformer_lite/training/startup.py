@@ -31,7 +31,7 @@ from flaxformer_lite.training import distributed, preemption
 from flaxformer_lite.training.parallel import Parallel
 from flaxformer_lite.training.state import is_token_embedding
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 from flaxformer_lite.workdir.folder import read_config
 from flaxformer_lite.workdir.tracker import WandbRun
 
@@ -99,7 +99,7 @@ def stopped_before_training(
     created is removed, so that the same command starts afresh."""
     step = ckpt_lib.steps(workdir)[-1] if workdir.is_dir() and ckpt_lib.steps(workdir) else 0
     if created and nothing_trained(workdir):
-        location.remove_tree(workdir)
+        storage.remove_tree(workdir)
     then = f"resumes from step {step}" if step else "starts afresh"
     print(
         f"stopped by {e}: nothing to save. The same command {then}: {preemption.resume_command()}",
@@ -324,7 +324,7 @@ def write_imported_tokenizer(config: ExperimentConfig, workdir: location.Path) -
                 f"{path} is not the tokenizer of {config.train.init_from}; use a new --workdir"
             )
         return
-    location.write_atomic(path, data)
+    storage.write_atomic(path, data)
 
 
 def imported_params(config: ExperimentConfig, params):

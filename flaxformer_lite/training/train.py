@@ -34,7 +34,7 @@ from flaxformer_lite.training.state import (
 from flaxformer_lite.training.steps import eval_step, sown_attention, train_step
 from flaxformer_lite.views import diagnostics
 from flaxformer_lite.workdir import checkpoints as ckpt_lib
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 from flaxformer_lite.workdir.folder import write_config
 from flaxformer_lite.workdir.lock import WorkdirBusyError, WorkdirLock
 
@@ -82,7 +82,7 @@ def train_and_evaluate(config, workdir, *, import_only: bool = False) -> dict[st
         raise TrainingError(str(e)) from None
     except BaseException:
         if created and startup.nothing_trained(workdir):  # a bad config or corpus: leave no trace
-            location.remove_tree(workdir)
+            storage.remove_tree(workdir)
         raise
     finally:
         stop.restore()

@@ -36,7 +36,7 @@ import numpy as np
 
 from flaxformer_lite.inference.translate import TranslateError, Translator
 from flaxformer_lite.model.build import build_model
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 from flaxformer_lite.workdir.layer_layout import unrolled
 
 KINDS = {"encoder": "encoder self", "decoder": "decoder self", "cross": "cross"}
@@ -164,7 +164,7 @@ def draw_grid(maps: AttentionMaps, path) -> location.Path:
     fig.tight_layout()
     path = location.path(path, "--output")
     path.parent.mkdir(parents=True, exist_ok=True)
-    location.save_figure(fig, path, dpi=110)
+    storage.save_figure(fig, path, dpi=110)
     return path
 
 
@@ -198,7 +198,7 @@ def write_page(maps: AttentionMaps, path) -> location.Path:
     )
     path = location.path(path, "--output")
     path.parent.mkdir(parents=True, exist_ok=True)
-    location.write_atomic(path, page)
+    storage.write_atomic(path, page)
     return path
 
 

@@ -32,7 +32,7 @@ from flaxformer_lite.inference.translate import Translator
 from flaxformer_lite.sparse.grammar import dynamic as D
 from flaxformer_lite.sparse.grammar.spec import parse_spec
 from flaxformer_lite.views.attention_maps import attention_maps
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 STATS = ("entropy", "distance", "max_logit")
 
@@ -184,7 +184,7 @@ def draw(stats: dict[str, dict[str, np.ndarray]], path: location.Path, title: st
         fig.colorbar(image, ax=ax, fraction=0.05)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    location.save_figure(fig, path, dpi=100)
+    storage.save_figure(fig, path, dpi=100)
 
 
 def average(per_text: list[dict[str, dict[str, np.ndarray]]], counts: list[int]):
@@ -230,9 +230,9 @@ def run_stats(
 def write_report(stats, output: location.Path, title: str) -> dict[str, Any]:
     """``<output>.md`` (the table), ``.json`` (the values) and ``.png`` (the figure)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    location.write_atomic(output.with_suffix(".md"), f"{title}\n\n{table(stats)}\n")
+    storage.write_atomic(output.with_suffix(".md"), f"{title}\n\n{table(stats)}\n")
     values = {m: {n: np.asarray(v).tolist() for n, v in by.items()} for m, by in stats.items()}
-    location.write_atomic(output.with_suffix(".json"), json.dumps(values, indent=2))
+    storage.write_atomic(output.with_suffix(".json"), json.dumps(values, indent=2))
     draw(stats, output.with_suffix(".png"), title)
     return values
 

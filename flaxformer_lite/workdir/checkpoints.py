@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from flaxformer_lite.workdir import layer_layout, location
+from flaxformer_lite.workdir import layer_layout, location, storage
 from flaxformer_lite.workdir.failures import disk_error, ignore_closed_loop_reports, unreadable
 from flaxformer_lite.workdir.folder import CONFIG_FILE, CheckpointError
 
@@ -36,7 +36,7 @@ def _manager(directory, asynchronous: bool = False, **options) -> ocp.Checkpoint
     # one name for both, the processes paired one's barrier with the other's and hung).
     barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=directory.name)
     return ocp.CheckpointManager(
-        location.absolute(directory),
+        storage.absolute(directory),
         options=ocp.CheckpointManagerOptions(
             create=True,
             enable_async_checkpointing=asynchronous,
@@ -76,7 +76,7 @@ def remove_incomplete(directory) -> list[str]:
         if remote and entry.name.isdigit():
             partial = entry.name not in committed
         if partial:
-            location.remove_tree(entry)
+            storage.remove_tree(entry)
             removed.append(entry.name)
     return removed
 
@@ -236,8 +236,8 @@ class Checkpoints:
             for step in bad_steps:
                 folder = self.workdir / _DIRS["last"] / str(step)
                 aside = folder.with_name(f"{step}.unreadable")
-                location.remove_tree(aside)
-                location.move(folder, aside)
+                storage.remove_tree(aside)
+                storage.move(folder, aside)
                 print(f"warning: moved the unreadable checkpoint to {aside}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -396,7 +396,7 @@ def restore_state_part(workdir, part: str, step: int | None = None) -> tuple[Any
     """
     step = _pick_step(workdir, "last", step)
     ignore_closed_loop_reports()
-    directory = location.absolute(location.path(workdir) / _DIRS["last"] / str(step) / "state")
+    directory = storage.absolute(location.path(workdir) / _DIRS["last"] / str(step) / "state")
     try:
         stored = ocp.StandardCheckpointer().metadata(directory).item_metadata.tree
     except Exception as e:  # unreadable metadata: truncated, deleted, foreign
@@ -428,12 +428,12 @@ def save_params(workdir, step: int, params: Any, kind: str = "averaged"):
     """Write ``params`` as the one checkpoint of ``kind`` (the averaged parameters).
 
     Written beside the old one and swapped in when complete
-    (:func:`~flaxformer_lite.workdir.location.replace_folder`), so a re-run replaces
+    (:func:`~flaxformer_lite.workdir.storage.replace_folder`), so a re-run replaces
     it, and an interrupted one leaves it intact. Returns the step's folder.
     """
     target = location.path(workdir) / _DIRS[kind]
     staging = target.with_name(target.name + ".incoming")
-    location.remove_tree(staging)
+    storage.remove_tree(staging)
     manager = _manager(staging, max_to_keep=1)
     manager.save(
         step,
@@ -442,5 +442,5 @@ def save_params(workdir, step: int, params: Any, kind: str = "averaged"):
     )
     manager.wait_until_finished()
     manager.close()
-    location.replace_folder(staging, target, last=(COMMITTED,))
+    storage.replace_folder(staging, target, last=(COMMITTED,))
     return target / str(step)

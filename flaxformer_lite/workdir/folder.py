@@ -26,7 +26,7 @@ from typing import Any
 from flaxformer_lite.config import extensions
 from flaxformer_lite.config.experiment import ExperimentConfig
 from flaxformer_lite.config.fields import ConfigError
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 CONFIG_FILE = "config.json"
 # The order in which a run's checkpoints are preferred for inference.
@@ -39,7 +39,7 @@ class CheckpointError(RuntimeError):
 
 def write_config(workdir, config_json: str) -> None:
     """Write ``config.json`` atomically (a kill leaves the old one or the new one)."""
-    location.write_atomic(location.path(workdir) / CONFIG_FILE, config_json)
+    storage.write_atomic(location.path(workdir) / CONFIG_FILE, config_json)
 
 
 def read_config(workdir) -> ExperimentConfig | None:
@@ -54,7 +54,7 @@ def read_config(workdir) -> ExperimentConfig | None:
         raise CheckpointError(f"{path} is not valid JSON ({e}); restore or delete it") from e
     try:
         # the run's copies stand for the files it names
-        extensions.load_kept(path.parent, location.local_copy)
+        extensions.load_kept(path.parent, storage.local_copy)
         return ExperimentConfig.from_config(values)
     except extensions.ExtensionError as e:
         raise CheckpointError(str(e)) from e

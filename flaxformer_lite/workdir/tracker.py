@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import uuid
 
-from flaxformer_lite.workdir import location
+from flaxformer_lite.workdir import location, storage
 
 RUN_ID_FILE = "wandb_run_id"
 
@@ -41,13 +41,13 @@ class WandbRun:
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         # W&B keeps its files in a local folder: a bucket's run keeps them in this
         # machine's cache (the run id, in the bucket, finds the run again)
-        local = location.cache_folder("wandb", run_id) if location.is_remote(workdir) else workdir
+        local = storage.cache_folder("wandb", run_id) if location.is_remote(workdir) else workdir
         self.run = wandb.init(
             project=project, id=run_id, resume="allow", dir=str(local), config=config,
             name=workdir.name,
         )  # fmt: skip
         if not id_file.exists():
-            location.write_atomic(id_file, run_id)
+            storage.write_atomic(id_file, run_id)
 
     def log(self, step: int, metrics: dict[str, float], prefix: str) -> None:
         values = {
