@@ -345,18 +345,6 @@ class Translator:
             stop=d.beam_stop, first_length=first, **bounds,
         )  # fmt: skip
 
-    # Generating (decoder-only LM) ------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Sequence[str],
-        max_new_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        first_index: int = 0,
-    ) -> list[str]:
-        """Continuations of ``prompts`` by a language-model run (one text per prompt):
-        :func:`flaxformer_lite.inference.generate.generate`, which says how."""
-        return generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed,
-                        first_index)  # fmt: skip
+    # Generating (decoder-only LM): the run's model continues prompts; see
+    # flaxformer_lite.inference.generate (the function takes the Translator as its run).
+    generate = generate
