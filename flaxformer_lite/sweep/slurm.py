@@ -147,16 +147,40 @@ def _refusal(stderr: str, launch: LaunchConfig) -> str:
 
 
 def live(job_ids: list[str]) -> dict[str, str]:
-    """The queued or running ones of ``job_ids`` (``ARRAY_TASK``), with SLURM's state."""
+    """The queued or running ones of ``job_ids`` (``ARRAY_TASK``), with SLURM's state.
+
+    ``squeue`` alone can miss a task for a moment (a task being requeued between its end
+    and its new queue entry, a controller too busy to answer): a task it does not list
+    is asked for by name (``scontrol show job``, which knows a job for minutes after it
+    ended), and counts as live where its state says it will run again."""
     arrays = sorted({j.split("_")[0] for j in job_ids})
     if not arrays:
         return {}
     out = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(arrays)],
                          capture_output=True, text=True)  # fmt: skip
-    if out.returncode:  # every array gone (squeue refuses ids it no longer knows)
-        return {}
-    states = dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+    states = {}
+    if out.returncode == 0:  # (non-zero: every array gone, or no answer: asked below)
+        states = dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+    for job in job_ids:
+        if job not in states:
+            again = _scontrol_state(job)
+            if again in _WILL_RUN:
+                states[job] = again
     return {j: states[j] for j in job_ids if j in states}
+
+
+# SLURM's job states of a task that is queued, running or about to run again.
+_WILL_RUN = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RUNNING", "CONFIGURING",
+             "COMPLETING", "SUSPENDED", "RESIZING", "STAGE_OUT", "SIGNALING")  # fmt: skip
+
+
+def _scontrol_state(job: str) -> str | None:
+    """A job's ``JobState`` by ``scontrol show job`` (None where SLURM no longer knows it)."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True)
+    for field in out.stdout.split() if out.returncode == 0 else ():
+        if field.startswith("JobState="):
+            return field.removeprefix("JobState=")
+    return None
 
 
 def state(workdir, spec: RunSpec, recorded: dict, running: dict[str, str]) -> tuple[str, str]:
