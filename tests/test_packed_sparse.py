@@ -102,3 +102,28 @@ def test_a_packed_sequence_attends_as_it_does_alone(text, causal, qkv):
             for a, b in zip([got[0], *got[1]], [want[0], *want[1]], strict=True):
                 errors.append(float(jnp.max(jnp.abs(a[:, seq] - b[:, :LENGTH]))))
         assert max(errors) < TOL, (text, causal, errors)
+
+
+def test_each_name_says_whether_packing_moves_it():
+    """``Pattern.offset_invariant`` (what the start-up note reads) is what this file
+    measures: true exactly for the names whose packed sequences attend as alone."""
+    for name in spec.pattern_names():
+        text = f"{name}:{ARGS[name]}" if name in ARGS else name
+        (pattern,) = spec.parse_spec(text, B)[0]
+        assert pattern.offset_invariant == (name not in ROW_ANCHORED), name
+        assert pattern.causal().offset_invariant == pattern.offset_invariant, name
+
+
+def test_training_on_packed_rows_says_which_groups_it_moves():
+    from flaxformer_lite.config.model import ModelConfig
+    from flaxformer_lite.model.build import packing_note
+
+    base = dict(vocab_size=24, d_model=32, num_heads=2, d_ff=32, max_len=64,
+                attention_block_size=8, attention_dropout=0.0)  # fmt: skip
+    mixed = ModelConfig(**base, attention_pattern="bigbird;local:window=8|fixed:stride=8;full")
+    note = packing_note(mixed, pack=True)
+    assert "with bigbird, fixed:stride=8:" in note and "data.pack=False" in note
+    assert packing_note(mixed, pack=False) is None
+    invariant = ModelConfig(**base, attention_pattern="local:window=8;sparse_strided:stride=8")
+    assert packing_note(invariant, pack=True) is None
+    assert packing_note(ModelConfig(**base), pack=True) is None  # dense

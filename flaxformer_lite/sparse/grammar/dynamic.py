@@ -36,6 +36,8 @@ class TopK(Dynamic):
     """Each query keeps its ``k`` highest-scoring keys (Routing/learned-sparsity family):
     :func:`~flaxformer_lite.sparse.ops.topk.xla.topk_attention` (time n^2, memory ``block * n``)."""
 
+    offset_invariant = True  # its own scores, within its segment
+
     k: int = 64
     label = "top-k attention"
     kernel = "sparse.topk"

@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -64,6 +65,11 @@ class Pattern:
     """Base class. Subclasses define ``_allows`` (without causality) and ``_plans``."""
 
     is_causal: bool = dataclasses.field(default=False, kw_only=True)
+    # Whether a pair's fate depends on i - j only, so that a sequence attends the same
+    # wherever a packer puts it in a row (tests/test_packed_sparse.py holds each built-in
+    # name to its value). False: counted from the row's start (blocks, global tokens,
+    # random blocks), and the default for a pattern that does not say.
+    offset_invariant: ClassVar[bool] = False
 
     def allows(self, i, j, n: int):
         """Elementwise: may query ``i`` attend key ``j`` (both ``< n``)?"""
@@ -110,6 +116,8 @@ def _check_positive(name: str, **values: int) -> None:
 class Full(Pattern):
     """Every pair (dense attention; with ``causal()`` the usual causal mask)."""
 
+    offset_invariant = True
+
     def _allows(self, i, j, n):
         return (i >= 0) & (j >= 0)
 
@@ -122,6 +130,8 @@ class Full(Pattern):
 @dataclasses.dataclass(frozen=True)
 class Local(Pattern):
     """Band of half-width ``window``: ``|i - j| <= window`` (causal: ``0 <= i - j <= window``)."""
+
+    offset_invariant = True
 
     window: int = 128
 
@@ -140,6 +150,8 @@ class Local(Pattern):
 @dataclasses.dataclass(frozen=True)
 class Dilated(Pattern):
     """``window`` steps of ``dilation`` each side: ``i - j = k r`` with ``|k| <= window``."""
+
+    offset_invariant = True
 
     window: int = 8
     dilation: int = 2
@@ -164,6 +176,8 @@ class Strided(Pattern):
     Alone it attends ``n / stride`` keys per query; the Sparse Transformer pairs
     it with ``Local(stride - 1)`` (:func:`sparse_transformer_strided`).
     """
+
+    offset_invariant = True
 
     stride: int = 64
 
@@ -303,6 +317,10 @@ def _random_table(pattern: RandomBlocks, n: int) -> np.ndarray:
 class Union(Pattern):
     """Pairs allowed by any part; its cover is the union of the parts' covers."""
 
+    @property
+    def offset_invariant(self) -> bool:  # type: ignore[override]
+        return all(part.offset_invariant for part in self.parts)
+
     parts: tuple[Pattern, ...] = ()
 
     def __post_init__(self):
@@ -336,6 +354,10 @@ class Union(Pattern):
 class Intersection(Pattern):
     """Pairs allowed by every part. Its cover is the union of the parts' covers,
     and only the rows global in every part are computed densely."""
+
+    @property
+    def offset_invariant(self) -> bool:  # type: ignore[override]
+        return all(part.offset_invariant for part in self.parts)
 
     parts: tuple[Pattern, ...] = ()
 
