@@ -314,14 +314,23 @@ def _random_table(pattern: RandomBlocks, n: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class Union(Pattern):
-    """Pairs allowed by any part; its cover is the union of the parts' covers."""
+class _Combination(Pattern):
+    """What a union and an intersection share: their parts, drawn anew per layer, and
+    offset-invariant when every part is."""
+
+    parts: tuple[Pattern, ...] = ()
 
     @property
     def offset_invariant(self) -> bool:  # type: ignore[override]
         return all(part.offset_invariant for part in self.parts)
 
-    parts: tuple[Pattern, ...] = ()
+    def for_layer(self, layer):
+        return dataclasses.replace(self, parts=tuple(p.for_layer(layer) for p in self.parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Union(_Combination):
+    """Pairs allowed by any part; its cover is the union of the parts' covers."""
 
     def __post_init__(self):
         if not self.parts:
@@ -342,24 +351,15 @@ class Union(Pattern):
     def causal(self):
         return Union(tuple(p.causal() for p in self.parts), is_causal=True)
 
-    def for_layer(self, layer):
-        return dataclasses.replace(self, parts=tuple(p.for_layer(layer) for p in self.parts))
-
     def __or__(self, other):
         extra = other.parts if isinstance(other, Union) and not other.is_causal else (other,)
         return Union(self.parts + extra, is_causal=self.is_causal)
 
 
 @dataclasses.dataclass(frozen=True)
-class Intersection(Pattern):
+class Intersection(_Combination):
     """Pairs allowed by every part. Its cover is the union of the parts' covers,
     and only the rows global in every part are computed densely."""
-
-    @property
-    def offset_invariant(self) -> bool:  # type: ignore[override]
-        return all(part.offset_invariant for part in self.parts)
-
-    parts: tuple[Pattern, ...] = ()
 
     def __post_init__(self):
         if not self.parts:
@@ -385,9 +385,6 @@ class Intersection(Pattern):
 
     def causal(self):
         return Intersection(tuple(p.causal() for p in self.parts), is_causal=True)
-
-    def for_layer(self, layer):
-        return dataclasses.replace(self, parts=tuple(p.for_layer(layer) for p in self.parts))
 
 
 # -- the published combinations ---------------------------------------------------------
