@@ -29,7 +29,13 @@ from flaxformer_lite.config.fields import ConfigError
 from flaxformer_lite.config.mesh import MeshError, parse_mesh
 from flaxformer_lite.config.profile import profile_steps
 from flaxformer_lite.sparse import dispatch
-from flaxformer_lite.sparse.grammar.spec import PatternSpecError, check_spec, is_dense, parse_spec
+from flaxformer_lite.sparse.grammar.spec import (
+    PatternSpecError,
+    check_spec,
+    is_dense,
+    parse_spec,
+    parse_spec_texts,
+)
 
 # Score functions ----------------------------------------------------------------------
 # Their names (the factories are model code: model/attention.py registers them here).
@@ -348,6 +354,20 @@ def check_experiment(e: Any) -> None:
         raise ConfigError(
             "config.data.task='classify' runs an encoder: set model.num_encoder_layers >= 1"
         )
+    if d.pack and not d.stream and m.sparse_attention and m.attention_impl == "splash":
+        layers = parse_spec(m.attention_pattern, m.attention_block_size)
+        anchored = sorted({
+            text for index, layer in enumerate(layers)
+            for text, p in zip(parse_spec_texts(m.attention_pattern, index), layer, strict=True)
+            if not p.offset_invariant
+        })  # fmt: skip
+        if anchored:
+            raise ConfigError(
+                "config.model.attention_impl='splash' on packed rows (data.pack): its masks "
+                "are one static mask a head, counted from the row's start, and "
+                f"{', '.join(anchored)} count from each sequence's start; use "
+                "attention_impl=blocked, or data.pack=False"
+            )
     if d.max_length > m.max_len:
         raise ConfigError(
             f"config.data.max_length={d.max_length} exceeds model.max_len={m.max_len}; "

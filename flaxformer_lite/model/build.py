@@ -65,25 +65,3 @@ def _layer_kernels(c: ModelConfig, layer: int, causal: bool) -> str:
         kernel = dispatch.KERNELS[dispatch.kernel(pattern, c.attention_impl)].what
         out.append(f"{'causal ' if causal else ''}{text} -> {kernel}")
     return ", ".join(out)
-
-
-def packing_note(c: ModelConfig, pack: bool) -> str | None:
-    """A start-up note where packed rows (``data.pack``) meet head-group patterns counted
-    from the row's start (blocks, global tokens, random blocks: not offset-invariant):
-    there a sequence attends differently than it would alone. None otherwise."""
-    if not (pack and c.sparse_attention):
-        return None
-    layers = spec.parse_spec(c.attention_pattern, c.attention_block_size, c.attention_seed)
-    anchored = []
-    for layer, groups in enumerate(layers):
-        for text, pattern in zip(spec.parse_spec_texts(c.attention_pattern, layer), groups,
-                                 strict=True):  # fmt: skip
-            if not pattern.offset_invariant and text not in anchored:
-                anchored.append(text)
-    if not anchored:
-        return None
-    return (
-        f"note: packed rows (data.pack) with {', '.join(anchored)}: its blocks, global "
-        "tokens or random blocks are counted from the row's start, so a packed sequence "
-        "attends differently than it would alone; data.pack=False gives each its own row"
-    )

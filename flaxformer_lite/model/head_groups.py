@@ -30,6 +30,7 @@ from flaxformer_lite.sparse.ops.moba.xla import decode_routing, moba_attention, 
 from flaxformer_lite.sparse.ops.nsa.xla import init_params as nsa_zero_params
 from flaxformer_lite.sparse.ops.nsa.xla import nsa_attention, nsa_decode
 from flaxformer_lite.sparse.ops.online_softmax import segment_mask
+from flaxformer_lite.sparse.ops.packing import sequences
 from flaxformer_lite.sparse.ops.topk.xla import topk_attention
 
 
@@ -58,6 +59,12 @@ def multihead_sparse_attention(
     if impl == "splash":
         for pattern in patterns:
             dispatch.kernel(pattern, impl)  # refuses a dynamic group
+            if packed and not pattern.offset_invariant:
+                raise ValueError(
+                    f"attention_impl=splash on packed rows: {pattern} counts from each "
+                    "sequence's start, splash's mask from the row's; use "
+                    "attention_impl=blocked, or rows without packing"
+                )
         return kernels.splash_attention(query, key, value, patterns, segments=segments,
                                         scale=scale)  # fmt: skip
     h = query.shape[2]
@@ -80,13 +87,18 @@ def multihead_sparse_attention(
         elif name == "band":  # a two-sided window: not cuDNN's
             out = band_attention(q, k, v, left=pattern.window, right=pattern.window,
                                  scale=scale, segments=segments, **triton)  # fmt: skip
+        elif name == "block_sparse" and packed and not pattern.offset_invariant:
+            # Its tile plan is one static table for every row; a packed row's sequences
+            # each need the cover shifted to their start: the XLA kernel does that.
+            out = sparse_attention(q, k, v, pattern, block_size=block_size, q_segments=segments,
+                                   kv_segments=segments, scale=scale, packed=True)  # fmt: skip
         elif name == "block_sparse":
             out = block_sparse_attention(q, k, v, pattern, scale=scale, segments=segments,
                                          **triton)  # fmt: skip
         elif name in ("routed", "routed_xla"):  # moba, nsa: their chosen blocks
             kernel = dict(kernel="triton", **triton) if name == "routed" else {}
             out = _dynamic(q, k, v, pattern, g, nsa_params, segments=segments, scale=scale,
-                           **kernel)  # fmt: skip
+                           packed=packed, **kernel)  # fmt: skip
         elif name == "topk":
             out = topk_attention(
                 q if scale is None else q * (scale * math.sqrt(q.shape[-1])), k, v,
@@ -96,10 +108,11 @@ def multihead_sparse_attention(
         elif name == "blocked":
             out = sparse_attention(
                 q, k, v, pattern, block_size=block_size, q_segments=segments,
-                kv_segments=segments, scale=scale, scan_blocks=scan_blocks,
+                kv_segments=segments, scale=scale, scan_blocks=scan_blocks, packed=packed,
             )  # fmt: skip
         elif name == "dense_mask":
-            out = masked_dense_attention(q, k, v, pattern, segments=segments, scale=scale)
+            out = masked_dense_attention(q, k, v, pattern, segments=segments, scale=scale,
+                                         packed=packed)  # fmt: skip
         else:  # a kernel of the table without a call here
             raise NotImplementedError(f"model/head_groups.py has no call for kernel {name!r}")
         outs.append(out)
@@ -107,7 +120,7 @@ def multihead_sparse_attention(
 
 
 def _dynamic(q, k, v, pattern, group: int, nsa_params, **kw) -> Array:
-    """A ``moba`` or ``nsa`` head group (``kw``: segments, scale, kernel, interpret)."""
+    """A ``moba`` or ``nsa`` head group (``kw``: segments, packed, scale, kernel, interpret)."""
     if isinstance(pattern, D.NSA):
         return nsa_attention(q, k, v, nsa_params[group], pattern.k, pattern.window,
                              block=pattern.block, causal=pattern.is_causal, **kw)  # fmt: skip
@@ -123,17 +136,33 @@ def masked_dense_attention(
     *,
     segments: Array | None = None,
     scale: float | None = None,
+    packed: bool = False,
 ) -> Array:
     """The pattern's attention as dense attention under its ``[n, n]`` mask
-    (``attention_impl=reference``): quadratic memory, for checking and small ``n``."""
+    (``attention_impl=reference``): quadratic memory, for checking and small ``n``.
+    ``packed``: each sequence of the row under the pattern from its own start."""
     n, d = query.shape[1], query.shape[-1]
-    mask = jnp.asarray(pattern.mask(n))[None, None]
-    if segments is not None:
-        mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
+    mask = pattern_mask(pattern, n, segments, packed)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     return dot_product_attention(
         query, key, value, mask, score_fn=lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
     )
+
+
+def pattern_mask(pattern: P.Pattern, n: int, segments: Array | None, packed: bool) -> Array:
+    """``[b or 1, 1, n, n]``: the pairs ``pattern`` allows in rows of ``segments``. Packed
+    rows (contiguous runs of one id, :mod:`~flaxformer_lite.sparse.ops.packing`): the rule
+    at positions from each sequence's start, within the sequence, as if it were alone
+    in a padded row of length ``n``."""
+    if segments is None:
+        return jnp.asarray(pattern.mask(n))[None, None]
+    if packed and not pattern.offset_invariant:
+        seq = sequences(segments)
+        same = (seq.run[:, :, None] == seq.run[:, None, :]) & (seq.run[:, None, :] > 0)
+        rule = pattern.allows(seq.pos[:, :, None], seq.pos[:, None, :], n)
+        return (same & rule)[:, None]
+    mask = jnp.asarray(pattern.mask(n))[None, None]
+    return mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
 
 
 def dense_attention_weights(
@@ -143,11 +172,13 @@ def dense_attention_weights(
     *,
     segments: Array | None = None,
     scale: float | None = None,
+    packed: bool = False,
 ) -> Array:
     """``[b, h, n, n]`` attention weights of the head groups' patterns, as a dense array:
     what the blocked kernel computes without forming it, for pictures
     (``sow_attention_weights``) and checks at small ``n``."""
-    scores, mask = dense_scores(query, key, patterns, segments=segments, scale=scale)
+    scores, mask = dense_scores(query, key, patterns, segments=segments, scale=scale,
+                                packed=packed)  # fmt: skip
     return attention_weights(query, key, mask, score_fn=lambda q, k: scores)
 
 
@@ -159,9 +190,11 @@ def dense_scores(
     segments: Array | None = None,
     scale: float | None = None,
     nsa_params: dict[int, dict] | None = None,
+    packed: bool = False,
 ) -> tuple[Array, Array]:
     """(``[b, h, n, n]`` scores, the mask the head groups' patterns allow; for ``moba``
-    the blocks it routed to, for ``nsa`` its selected blocks and window)."""
+    the blocks it routed to, for ``nsa`` its selected blocks and window; ``packed``: a
+    static pattern from each sequence's start, :func:`pattern_mask`)."""
     n, h, d = query.shape[1], query.shape[2], query.shape[-1]
     per = h // len(patterns)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -178,7 +211,7 @@ def dense_scores(
             kth = jax.lax.top_k(group, min(p.k, n))[0][..., -1:]
             masks.append(allowed & (group >= kth))
         else:
-            masks.append(jnp.broadcast_to(jnp.asarray(p.mask(n)), (1, per, n, n)))
+            masks.append(pattern_mask(p, n, segments, packed))
     mask = jnp.concatenate(
         [jnp.broadcast_to(m, (scores.shape[0], per, n, n)) for m in masks], axis=1
     )

@@ -204,7 +204,13 @@ class MultiHeadAttention(nn.Module):
             )  # fmt: skip
             if c.sow_attention_weights:  # for pictures: the n x n array, made only here
                 scores, allowed = sparse.dense_scores(
-                    query, key, patterns, segments=segments, scale=scale, nsa_params=nsa
+                    query,
+                    key,
+                    patterns,
+                    segments=segments,
+                    scale=scale,
+                    nsa_params=nsa,
+                    packed=tokens is not None and tokens.packed,
                 )
                 weights = attention_weights(query, key, allowed, score_fn=lambda q, k: scores)
                 self._sow(weights, scores, allowed)

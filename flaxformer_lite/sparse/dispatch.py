@@ -19,6 +19,11 @@ Reading the table:
   block-sparse kernel, MoBA's and NSA's chosen blocks on the routed block kernel).
 - ``splash`` is the TPU's splash attention, with a mask per head read from the pattern.
 
+Packed rows (several sequences a row) change two cells for patterns that are not
+offset-invariant (``Pattern.offset_invariant``): ``cudnn``'s block-sparse kernel (one
+tile plan for every row) hands them to the blocked XLA kernel, which counts each
+sequence from its own start; ``splash`` refuses them (the config, before a run).
+
 Imports nothing but the grammar and no JAX (the config asks it).
 """
 

@@ -25,7 +25,7 @@ from flaxformer_lite.data import assembly, packing, pipeline
 from flaxformer_lite.data.tokenizer import MODEL_NAME, Tokenizer
 from flaxformer_lite.exchange import hf_import
 from flaxformer_lite.exchange.export import REGISTERED, ExportError
-from flaxformer_lite.model.build import attention_kernels, packing_note
+from flaxformer_lite.model.build import attention_kernels
 from flaxformer_lite.model.partitioning import check_model
 from flaxformer_lite.training import distributed, preemption
 from flaxformer_lite.training.parallel import Parallel
@@ -141,8 +141,7 @@ def describe(config: ExperimentConfig, par: Parallel, parameters: int) -> str:
     )
     if c.sparse_attention or c.attention_impl in ("cudnn", "splash"):
         line += "\n" + attention_kernels(c, config.data.task)
-    note = packing_note(c, config.data.pack and not config.data.stream)
-    return line + ("\n" + note if note else "")
+    return line
 
 
 def open_tracker(config: ExperimentConfig, workdir: location.Path) -> WandbRun | None:

@@ -11,7 +11,8 @@ interpreter elsewhere), ``splash.py`` (TPU splash attention's masks).
 The ops, and what each may import besides the grammar and the shared pieces:
 ``block_sparse``, ``band``, ``chosen_blocks``, ``topk`` (none: the primitives), ``moba``
 (the chosen blocks), ``nsa`` (MoBA's routing, the chosen blocks, a window). Shared:
-``online_softmax`` (partial softmaxes and their exact merge), ``pallas_flash`` (the
-flash-attention plumbing of the GPU kernels) and ``triton_lowering`` (the only file
-that names Triton: tile products, masked loads and stores, launch parameters).
+``online_softmax`` (partial softmaxes and their exact merge), ``packing`` (packed rows
+in each sequence's own coordinates), ``pallas_flash`` (the flash-attention plumbing of
+the GPU kernels) and ``triton_lowering`` (the only file that names Triton: tile
+products, masked loads and stores, launch parameters).
 """

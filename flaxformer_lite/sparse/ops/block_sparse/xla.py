@@ -50,6 +50,7 @@ from jax import Array, lax
 from flaxformer_lite.sparse.grammar.patterns import Pattern
 from flaxformer_lite.sparse.grammar.plans import Plans, num_blocks
 from flaxformer_lite.sparse.ops.block_sparse.xla_blocks import block_partial
+from flaxformer_lite.sparse.ops.block_sparse.xla_packed import packed_attention
 from flaxformer_lite.sparse.ops.online_softmax import (
     Partial,
     merge,
@@ -110,6 +111,7 @@ def sparse_attention(
     scale: float | None = None,
     heads_per_chunk: int | None = 2,
     scan_blocks: int | None = None,
+    packed: bool = False,
 ) -> Array:
     """Blocked sparse self-attention; ``[b, n, h, d] x3 -> [b, n, h, dv]``.
 
@@ -128,12 +130,17 @@ def sparse_attention(
         in the backward pass, so the gathered keys, scores and probabilities
         of only one group are alive at once. None = all blocks together
         (fastest). Values are identical.
+      packed: the rows hold several sequences (contiguous runs of one segment id);
+        a pattern counted from a sequence's start (``pattern.offset_invariant``
+        false) then gives each what it gives the sequence alone in a padded row
+        (:mod:`~flaxformer_lite.sparse.ops.block_sparse.xla_packed`; ``scan_blocks``
+        does not apply there). Without it, segment ids only mask.
     """
     b, n, h, d = query.shape
     if heads_per_chunk is not None and 0 < heads_per_chunk < h:
         kw = dict(
             block_size=block_size, q_segments=q_segments, kv_segments=kv_segments,
-            scale=scale, heads_per_chunk=None, scan_blocks=scan_blocks,
+            scale=scale, heads_per_chunk=None, scan_blocks=scan_blocks, packed=packed,
         )  # fmt: skip
         return jnp.concatenate(
             [
@@ -163,6 +170,9 @@ def sparse_attention(
     k = jnp.swapaxes(key, 1, 2).astype(compute)
     v = jnp.swapaxes(value, 1, 2).astype(compute)
 
+    if packed and q_segments is not None and not pattern.offset_invariant:
+        out = packed_attention(q, k, v, pattern, plans, block_size, q_segments)
+        return jnp.swapaxes(out, 1, 2).astype(out_dtype)
     is_column = np.zeros(n, bool)
     is_column[plans.columns] = True
     problem = Problem(q, k, v, pattern, plans, block_size, is_column, q_segments, kv_segments)

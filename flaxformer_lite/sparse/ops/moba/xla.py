@@ -19,8 +19,9 @@ Design choices the paper leaves open, and why:
   tokens, and cached decoding could not reproduce it. ``block_gate=1`` takes the
   shared choice where there is no causality (an encoder), refused in causal layers.
 - **Per head.** Each head routes on its own queries and keys (multi-head attention).
-- **Packed rows.** A key block is a candidate only if its segment ids span the query's
-  (contiguous packing); padding is left out of the means and routes nowhere.
+- **Packed rows** (``packed=True``): each sequence blocked from its own start, as
+  alone (:func:`packed_moba`). Within one call a key block is a candidate only if its
+  segment ids span the query's; padding is left out of the means and routes nowhere.
 - **Gradients** flow through the scores inside the chosen blocks; the routing has none
   (top-k is not differentiable), as in the paper's parameter-free gate.
 
@@ -44,6 +45,7 @@ from flaxformer_lite.sparse.ops.chosen_blocks.xla_chunks import routed_chunks_pa
 from flaxformer_lite.sparse.ops.chosen_blocks.xla_gather import routed_partial
 from flaxformer_lite.sparse.ops.moba.routing_triton import fused_routing, tile_size
 from flaxformer_lite.sparse.ops.online_softmax import normalise, pad_to, segment_mask
+from flaxformer_lite.sparse.ops.packing import in_sequences
 
 NO_SCORE = -jnp.inf
 # The partial softmax over the chosen blocks, by XLA: key block by key block over
@@ -240,6 +242,7 @@ def moba_attention(
     kernel: str = "xla",
     interpret: bool | None = None,
     route: str | None = None,
+    packed: bool = False,
 ) -> Array | Routing:
     """MoBA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc);
     ``routing_only``: the :class:`Routing` it would read instead. ``kernel``: ``xla``
@@ -254,7 +257,16 @@ def moba_attention(
     ``xla``
     (:func:`moba_routing`'s scores and top blocks) or ``fused``
     (:mod:`~flaxformer_lite.sparse.ops.moba.routing_triton`, the same table); default fused on a GPU
-    for a per-query gate whose block is a multiple of 16."""
+    for a per-query gate whose block is a multiple of 16. ``packed``: the rows hold
+    several sequences (contiguous runs of one segment id), each blocked from its own
+    start as alone (MoBA's varlen semantics; :func:`packed_moba`)."""
+    if packed and segments is not None:
+        if routing_only:
+            raise ValueError("moba: routing_only of packed rows: route the aligned rows "
+                             "(sparse.ops.packing.aligned_layout) instead")  # fmt: skip
+        kw = dict(block=block, causal=causal, scale=scale, block_gate=block_gate,
+                  kernel=kernel, interpret=interpret, route=route)  # fmt: skip
+        return packed_moba(query, key, value, top_k, segments, **kw)
     if block_gate and causal:
         raise ValueError("moba's block_gate=1 routes a query block by all its queries, later "
                          "ones too: not causal; use block_gate=0 in causal attention")  # fmt: skip
@@ -284,6 +296,21 @@ def moba_attention(
     m, l, o = XLA_KERNELS[kernel](q, k, v, routing.table, routing.valid, block, n, causal, seg)
     out = normalise(o, l)[:, :, :n]
     return jnp.swapaxes(out, 1, 2).astype(query.dtype)
+
+
+def packed_moba(query, key, value, top_k: int, segments: Array, *, block: int, **kw) -> Array:
+    """MoBA on packed rows as its authors define it there (their varlen kernel): each
+    sequence cut into blocks from its own start, routing among its own blocks only. The
+    sequences are moved apart first (:func:`~flaxformer_lite.sparse.ops.packing.in_sequences`):
+    each longer than a block from a multiple of ``block``, so no block holds two of them
+    (a block straddling two sequences would pool both and could hide a sequence's own
+    keys); shorter ones share blocks, each inside one, where only its own queries read
+    it. Segment ids that grow along the moved row keep the candidate rule exact."""
+
+    def attend(layout, q, k, v):
+        return moba_attention(q, k, v, top_k, block=block, segments=layout.ids, **kw)
+
+    return in_sequences(attend, (query, key, value), segments, block, axis=1)
 
 
 def routed_mask(routing: Routing, block: int, n: int, causal: bool,

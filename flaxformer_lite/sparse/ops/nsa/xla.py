@@ -62,6 +62,7 @@ from flaxformer_lite.sparse.ops.moba.xla import (
 )
 from flaxformer_lite.sparse.ops.nsa.compressed_triton import compressed_attention
 from flaxformer_lite.sparse.ops.online_softmax import NEG, normalise, pad_to, partial_softmax
+from flaxformer_lite.sparse.ops.packing import in_sequences
 
 BRANCHES = ("compressed", "selected", "window")
 PARAMS = ("compress_k", "compress_v", "gate_w", "gate_b")  # the learned parts
@@ -138,6 +139,7 @@ def nsa_attention(
     kernel: str = "xla",
     interpret: bool | None = None,
     route: str | None = None,
+    packed: bool = False,
 ):
     """NSA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc).
     ``parts``: also return ``{branch: [b, n, h, dv]}``, the gates ``[b, n, h, 3]`` and
@@ -150,7 +152,16 @@ def nsa_attention(
     band
     kernel (:mod:`~flaxformer_lite.sparse.ops.band.pallas_triton`); the gates are XLA's either way.
     ``route``: the compressed branch and selection ``fused`` (the default under
-    ``kernel=triton``) or ``xla`` (a query block at a time; the benchmark's baseline)."""
+    ``kernel=triton``) or ``xla`` (a query block at a time; the benchmark's baseline).
+    ``packed``: the rows hold several sequences (contiguous runs of one segment id),
+    each blocked from its own start as alone (:func:`packed_nsa`)."""
+    if packed and segments is not None:
+        if parts:
+            raise ValueError("nsa: parts of packed rows: run the aligned rows "
+                             "(sparse.ops.packing.aligned_layout) instead")  # fmt: skip
+        kw = dict(block=block, causal=causal, scale=scale, kernel=kernel,
+                  interpret=interpret, route=route)  # fmt: skip
+        return packed_nsa(query, key, value, params, top_k, window, segments, **kw)
     b, n, h, d = query.shape
     npad = num_blocks(n, block) * block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -219,6 +230,23 @@ def nsa_attention(
         return out
     tokens = {name: jnp.swapaxes(x, 1, 2) for name, x in branches.items()}
     return out, tokens, jnp.stack(gates, axis=-1).transpose(0, 2, 1, 3), routing
+
+
+def packed_nsa(query, key, value, params, top_k: int, window: int, segments: Array, *,
+               block: int, causal: bool, **kw) -> Array:  # fmt: skip
+    """NSA on packed rows: every branch per sequence, blocked from its own start (the
+    compressed blocks, the selection among them, the window within the sequence), as
+    :func:`~flaxformer_lite.sparse.ops.moba.xla.packed_moba` moves the sequences apart.
+    Without causality a sequence shorter than a block sees its own compressed block, so
+    each sequence gets blocks of its own (``share=False``); a row whose sequences do not
+    fit twice its blocks that way lets the short ones share, and those then see no
+    compressed block (their other two branches are exact)."""
+
+    def attend(layout, q, k, v):
+        return nsa_attention(q, k, v, params, top_k, window, block=block, causal=causal,
+                             segments=layout.ids, **kw)  # fmt: skip
+
+    return in_sequences(attend, (query, key, value), segments, block, axis=1, share=causal)
 
 
 def _softmax_attend(scores: Array, mask: Array, values: Array) -> Array:
