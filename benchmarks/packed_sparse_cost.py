@@ -35,8 +35,10 @@ from flaxformer_lite.sparse.grammar import spec  # noqa: E402
 from flaxformer_lite.sparse.ops import packing  # noqa: E402
 from flaxformer_lite.sparse.ops.nsa import xla as nsa  # noqa: E402
 
-PATTERNS = ["local:window=127", "bigbird:window=3,global=1,random=1", "fixed:stride=64",
-            "longformer:window=64,global=4", "moba:block=64,k=3", "nsa:block=64,k=2,window=64"]  # fmt: skip
+PATTERNS = [
+    "local:window=127", "bigbird:window=3,global=1,random=1", "fixed:stride=64",
+    "longformer:window=64,global=4", "moba:block=64,k=3", "nsa:block=64,k=2,window=64",
+]  # fmt: skip
 MIXES = {"short (10-80)": (10, 80), "long (100-900)": (100, 900)}
 ROWS, HEADS, DIM, BLOCK = 8, 4, 32, 64
 
@@ -102,8 +104,9 @@ def main() -> None:
                 for p, fn in fns.items():
                     times[p].append(_time(fn, q, k, v, jnp.asarray(seg)))
             before, after = (float(np.median(times[p])) for p in (False, True))
+            per_row = float(seg.max(1).mean())
             rows.append({"mix": mix, "pattern": text, "layout": layout,
-                         "ratio": after / before, "sequences_per_row": float(seg.max(1).mean())})  # fmt: skip
+                         "ratio": after / before, "sequences_per_row": per_row})  # fmt: skip
             print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
