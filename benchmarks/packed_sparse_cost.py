@@ -122,7 +122,7 @@ def main() -> None:
         "",
         "| sequences | pattern | aligned layout | time vs from the row |",
         "|---|---|---|---:|",
-        *(f"| {r['mix']}, {r['sequences_per_row']:.0f} a row | `{r['pattern']}` | "
+        *(f"| {r['mix']}, {r['sequences_per_row']:.1f} a row | `{r['pattern']}` | "
           f"{r['layout']} | {r['ratio']:.2f}x |" for r in rows),
     ]  # fmt: skip
     (out / "packed_sparse_cost.md").write_text("\n".join(lines) + "\n")
