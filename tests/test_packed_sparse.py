@@ -239,3 +239,19 @@ def test_each_name_says_whether_packing_moves_it():
         (pattern,) = spec.parse_spec(text, B)[0]
         assert pattern.offset_invariant == (name not in ROW_ANCHORED), name
         assert pattern.causal().offset_invariant == pattern.offset_invariant, name
+
+
+def test_the_dense_weights_of_packed_rows_are_what_the_kernels_read(qkv):
+    """``dense_scores`` (the sown weights' mask, pictures) on packed rows: dense attention
+    under it equals the kernels' packed output, MoBA's routing and a static pattern."""
+    q, k, v, _ = qkv
+    seg = jnp.asarray(_segments(ROWS)[0])
+    with jax.enable_x64(True):
+        for text, causal in (("moba:k=2", True), ("bigbird:window=3,global=1,random=1", False)):
+            (p,) = spec.parse_spec(text, B)[0]
+            p = p.causal() if causal else p
+            scores, mask = head_groups.dense_scores(q, k, [p], segments=seg, packed=True)
+            weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+            dense = jnp.einsum("bhqk,bkhd->bqhd", jnp.nan_to_num(weights), v)
+            got = _attend(p, q, k, v, seg, packed=True)
+            assert float(jnp.max(jnp.abs(got - dense))) < TOL, (text, causal)

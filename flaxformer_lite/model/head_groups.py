@@ -30,7 +30,7 @@ from flaxformer_lite.sparse.ops.moba.xla import decode_routing, moba_attention, 
 from flaxformer_lite.sparse.ops.nsa.xla import init_params as nsa_zero_params
 from flaxformer_lite.sparse.ops.nsa.xla import nsa_attention, nsa_decode
 from flaxformer_lite.sparse.ops.online_softmax import segment_mask
-from flaxformer_lite.sparse.ops.packing import sequences
+from flaxformer_lite.sparse.ops.packing import aligned_layout, sequences, to_aligned
 from flaxformer_lite.sparse.ops.topk.xla import topk_attention
 
 
@@ -193,8 +193,8 @@ def dense_scores(
     packed: bool = False,
 ) -> tuple[Array, Array]:
     """(``[b, h, n, n]`` scores, the mask the head groups' patterns allow; for ``moba``
-    the blocks it routed to, for ``nsa`` its selected blocks and window; ``packed``: a
-    static pattern from each sequence's start, :func:`pattern_mask`)."""
+    the blocks it routed to, for ``nsa`` its selected blocks and window; ``packed``: each
+    sequence from its own start, :func:`pattern_mask`, :func:`_packed_routed_mask`)."""
     n, h, d = query.shape[1], query.shape[2], query.shape[-1]
     per = h // len(patterns)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -204,7 +204,11 @@ def dense_scores(
         if isinstance(p, D.MoBA | D.NSA):
             sl = slice(g * per, (g + 1) * per)
             params = (nsa_params or {}).get(g)
-            masks.append(_routed_mask(query[:, :, sl], key[:, :, sl], p, segments, params))
+            q, k = query[:, :, sl], key[:, :, sl]
+            if packed and segments is not None:
+                masks.append(_packed_routed_mask(q, k, p, segments, params))
+            else:
+                masks.append(_routed_mask(q, k, p, segments, params))
         elif isinstance(p, D.TopK):  # the keys scoring at least the k-th best
             allowed = jnp.tril(jnp.ones((n, n), bool)) if p.is_causal else jnp.ones((n, n), bool)
             group = jnp.where(allowed, scores[:, g * per : (g + 1) * per], -jnp.inf)
@@ -218,6 +222,20 @@ def dense_scores(
     if segments is not None:
         mask = mask & segment_mask(segments[:, :, None], segments[:, None, :])[:, None]
     return scores, mask
+
+
+def _packed_routed_mask(query: Array, key: Array, p: P.Pattern, segments, params) -> Array:
+    """:func:`_routed_mask` of packed rows: routed on the sequences moved apart as the
+    kernels move them (the guaranteed layout; NSA without causality gives each sequence
+    its own blocks, a sequence that does not fit then reads nothing here), read back at
+    the tokens' places."""
+    own = isinstance(p, D.NSA) and not p.is_causal
+    layout = aligned_layout(sequences(segments), p.block, share=not own)
+    moved = [to_aligned(x, layout, 1) for x in (query, key)]
+    mask = _routed_mask(*moved, p, layout.ids, params)  # [b, h, S, S]
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 1), (0, 1)))  # slot S: padding, nothing
+    back = jax.vmap(lambda m, d: m[:, d][:, :, d])(mask, layout.dest)
+    return back & (segments != 0)[:, None, :, None]
 
 
 def _routed_mask(query: Array, key: Array, p: P.Pattern, segments, params) -> Array:
