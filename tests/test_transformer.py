@@ -195,6 +195,32 @@ def test_lm_packed_equals_padded(tiny_config, positional):
     np.testing.assert_allclose(packed[0, 4:7], padded[1, :3], rtol=1e-5, atol=1e-5)
 
 
+def test_sparse_packed_equals_padded(tiny_config):
+    """A pattern counted from each sequence's start (BigBird's blocks, global block and
+    random block; blocks of 2 tokens) in the encoder and the causal decoder: the second
+    sequences start on a block boundary (inputs) and off one (targets). The kernels'
+    own tests hold every pattern to it; this checks that the model says its rows are
+    packed."""
+    config = tiny_config.replace(
+        attention_pattern="bigbird:window=1,global=1,random=1", attention_block_size=2,
+        num_encoder_layers=1, num_decoder_layers=1,
+    )  # fmt: skip
+    model = Transformer(config)
+    s1, t1, s2, t2 = [5, 6, 7, 1], [20, 21, 1], [8, 9, 4, 1], [22, 23, 24, 25, 1]
+    src, tgt = jnp.array([s1 + s2]), jnp.array([t1 + t2])
+    src_seg, tgt_seg = jnp.array([[1] * 4 + [2] * 4]), jnp.array([[1] * 3 + [2] * 5])
+    src_pos, tgt_pos = jnp.array([[0, 1, 2, 3] * 2]), jnp.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+    params = unbox(jax.jit(model.init)(jax.random.key(0), src, tgt))["params"]
+    apply = jax.jit(model.apply)
+    packed = apply(
+        {"params": params}, src, tgt, inputs_positions=src_pos, targets_positions=tgt_pos,
+        inputs_segmentation=src_seg, targets_segmentation=tgt_seg,
+    )  # fmt: skip
+    padded = apply({"params": params}, jnp.array([s1, s2]), jnp.array([t1 + [0, 0], t2]))
+    np.testing.assert_allclose(packed[0, :3], padded[0, :3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[0, 3:], padded[1], rtol=1e-5, atol=1e-5)
+
+
 def _param_names(params):
     return {
         "/".join(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
