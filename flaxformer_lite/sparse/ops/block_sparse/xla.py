@@ -49,7 +49,11 @@ from jax import Array, lax
 
 from flaxformer_lite.sparse.grammar.patterns import Pattern
 from flaxformer_lite.sparse.grammar.plans import Plans, num_blocks
-from flaxformer_lite.sparse.ops.block_sparse.xla_blocks import block_partial
+from flaxformer_lite.sparse.ops.block_sparse.xla_blocks import (  # noqa: F401 - their home before
+    block_diagonals,
+    block_partial,
+    block_table,
+)
 from flaxformer_lite.sparse.ops.block_sparse.xla_packed import packed_attention
 from flaxformer_lite.sparse.ops.online_softmax import (
     Partial,
@@ -59,19 +63,6 @@ from flaxformer_lite.sparse.ops.online_softmax import (
     partial_softmax,
     segment_mask,
 )
-
-
-def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``[nb, nb]`` bool -> (key-block indices ``[nb, S]``, valid ``[nb, S]``), S = max row sum."""
-    counts = block_mask.sum(axis=1)
-    slots = max(int(counts.max()) if counts.size else 0, 1)
-    table = np.zeros((block_mask.shape[0], slots), np.int32)
-    valid = np.zeros((block_mask.shape[0], slots), bool)
-    for a, row in enumerate(block_mask):
-        idx = np.flatnonzero(row)
-        table[a, : len(idx)] = idx
-        valid[a, : len(idx)] = True
-    return table, valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,30 +197,6 @@ def _columns_part(p: Problem) -> Partial:
     if seg is not None:
         mask = mask & seg[:, None]
     return partial_softmax(scores, mask, lambda w: jnp.einsum("bhng,bhgv->bhnv", w, vc))
-
-
-def block_diagonals(block_mask: np.ndarray, min_fill: float = 0.75) -> tuple[list[int], np.ndarray]:
-    """Split a block mask into full-enough diagonals and the rest.
-
-    Returns the offsets ``o`` whose diagonal (query block ``a`` -> key block
-    ``a + o``) holds at least ``min_fill * nb`` blocks, and the mask
-    of the blocks those diagonals leave. A band (local/sliding window, BigBird's
-    window) becomes a few diagonals, which the kernel reads as shifted slices of
-    the key blocks; only the rest (random blocks) needs a gather. Slices matter
-    on CPU: a gather's gradient is a scatter-add, which XLA:CPU runs serially.
-    """
-    nb = block_mask.shape[0]
-    offsets = []
-    for o in range(-(nb - 1), nb):
-        # A diagonal read as a slice costs nb blocks: worth it when most are used.
-        if np.diagonal(block_mask, offset=o).sum() >= min_fill * nb:
-            offsets.append(o)
-    rest = block_mask.copy()
-    rows = np.arange(nb)
-    for o in offsets:
-        inside = (rows + o >= 0) & (rows + o < nb)
-        rest[rows[inside], rows[inside] + o] = False
-    return offsets, rest
 
 
 def _block_cover(plans: Plans, nb: int) -> tuple[list[int], np.ndarray, np.ndarray]:

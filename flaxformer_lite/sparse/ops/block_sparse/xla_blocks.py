@@ -257,3 +257,40 @@ def _bwd(statics, residuals, cotangents):
 
 
 _partial.defvjp(_fwd, _bwd)
+
+
+def block_table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[nb, nb]`` bool -> (key-block indices ``[nb, S]``, valid ``[nb, S]``), S = max row sum."""
+    counts = block_mask.sum(axis=1)
+    slots = max(int(counts.max()) if counts.size else 0, 1)
+    table = np.zeros((block_mask.shape[0], slots), np.int32)
+    valid = np.zeros((block_mask.shape[0], slots), bool)
+    for a, row in enumerate(block_mask):
+        idx = np.flatnonzero(row)
+        table[a, : len(idx)] = idx
+        valid[a, : len(idx)] = True
+    return table, valid
+
+
+def block_diagonals(block_mask: np.ndarray, min_fill: float = 0.75) -> tuple[list[int], np.ndarray]:
+    """Split a block mask into full-enough diagonals and the rest.
+
+    Returns the offsets ``o`` whose diagonal (query block ``a`` -> key block
+    ``a + o``) holds at least ``min_fill * nb`` blocks, and the mask
+    of the blocks those diagonals leave. A band (local/sliding window, BigBird's
+    window) becomes a few diagonals, which the kernel reads as shifted slices of
+    the key blocks; only the rest (random blocks) needs a gather. Slices matter
+    on CPU: a gather's gradient is a scatter-add, which XLA:CPU runs serially.
+    """
+    nb = block_mask.shape[0]
+    offsets = []
+    for o in range(-(nb - 1), nb):
+        # A diagonal read as a slice costs nb blocks: worth it when most are used.
+        if np.diagonal(block_mask, offset=o).sum() >= min_fill * nb:
+            offsets.append(o)
+    rest = block_mask.copy()
+    rows = np.arange(nb)
+    for o in offsets:
+        inside = (rows + o >= 0) & (rows + o < nb)
+        rest[rows[inside], rows[inside] + o] = False
+    return offsets, rest

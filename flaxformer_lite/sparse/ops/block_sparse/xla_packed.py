@@ -36,6 +36,7 @@ from jax import Array, lax
 
 from flaxformer_lite.sparse.grammar.patterns import Pattern
 from flaxformer_lite.sparse.grammar.plans import Plans
+from flaxformer_lite.sparse.ops.block_sparse.xla_blocks import block_diagonals, block_table
 from flaxformer_lite.sparse.ops.online_softmax import (
     FLOOR,
     NEG,
@@ -45,18 +46,6 @@ from flaxformer_lite.sparse.ops.online_softmax import (
     partial_softmax,
 )
 from flaxformer_lite.sparse.ops.packing import Aligned, in_sequences
-
-
-def _table(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    counts = block_mask.sum(axis=1)
-    slots = max(int(counts.max()) if counts.size else 0, 1)
-    table = np.zeros((block_mask.shape[0], slots), np.int32)
-    valid = np.zeros((block_mask.shape[0], slots), bool)
-    for a, row in enumerate(block_mask):
-        idx = np.flatnonzero(row)
-        table[a, : len(idx)] = idx
-        valid[a, : len(idx)] = True
-    return table, valid
 
 
 def _take(x: Array, idx: Array, axis: int) -> Array:
@@ -108,18 +97,31 @@ def _aligned_parts(qa, ka, va, pattern: Pattern, plans: Plans, layout: Aligned, 
         )
         parts.append(_flat(part, b, h, slots))
     if local_blocks is not None:
-        table, valid = _table(local_blocks)
-        S = table.shape[1]
-        local = pos[:, :, 0] // B  # the block's index in its sequence
-        tbl = layout.start[..., None] + jnp.asarray(table)[local]  # [b, nba, S]
-        ok = jnp.asarray(valid)[local] & (tbl < nba) & blk_long[..., None]
-        tbl = jnp.clip(tbl, 0, nba - 1)
+        # A sequence's blocks are consecutive in the moved row: its key block c of query
+        # block a (both from its start) is the moved row's block a + (c - a). Full
+        # enough diagonals are read as shifted slices (their gradient a pad), the rest
+        # (random blocks) gathered per row, as the unpacked kernel does.
+        offsets, rest = block_diagonals(local_blocks)
+        nb = local_blocks.shape[0]
+        local = pos[:, :, 0] // B  # each moved block's index in its sequence
+        at = np.arange(nb)[:, None] + np.asarray(offsets, np.int64)[None, :]
+        diag_ok = local_blocks[np.arange(nb)[:, None], np.clip(at, 0, nb - 1)] & (at >= 0)
+        diag_ok &= at < nb
+        oks = [jnp.asarray(diag_ok)[local]] if offsets else []  # [b, nba, len(offsets)]
+        tbl = None
+        if rest.any():
+            table, valid = block_table(rest)
+            tbl = layout.start[..., None] + jnp.asarray(table)[local]  # [b, nba, R]
+            oks.append(jnp.asarray(valid)[local] & (tbl < nba))
+            tbl = jnp.clip(tbl, 0, nba - 1)
+        ok = jnp.concatenate(oks, axis=2) & blk_long[..., None]
+        S = ok.shape[2]
         kb, vb = ka.reshape(b, h, nba, B, d), va.reshape(b, h, nba, B, -1)
-        kg, vg = _take(kb, tbl, 1), _take(vb, tbl, 1)  # [b, h, nba, S, B, d]
+        kg, vg = _blocks_at(kb, 2, offsets, tbl), _blocks_at(vb, 2, offsets, tbl)
         scores = jnp.einsum("bhaqd,bhaskd->bhaqsk", qa.reshape(b, h, nba, B, d), kg)
         scores = scores.reshape(b, h, nba, B, S * B)
-        pk = _take(pos, tbl, 0).reshape(b, nba, S * B)
-        rk = _take(run, tbl, 0).reshape(b, nba, S * B)
+        pk = _blocks_at(pos, 1, offsets, tbl).reshape(b, nba, S * B)
+        rk = _blocks_at(run, 1, offsets, tbl).reshape(b, nba, S * B)
         okk = jnp.repeat(ok, B, axis=2) & (rk > 0)
         mask = okk[:, :, None, :] & (run[..., None] == rk[:, :, None, :])
         mask = mask & rule(pos[..., None], pk[:, :, None, :])
@@ -151,6 +153,24 @@ def _aligned_parts(qa, ka, va, pattern: Pattern, plans: Plans, layout: Aligned, 
     if plans.rows.size:
         out = _rows(qa, ka, va, layout, np.asarray(plans.rows, np.int32), rule, out, n)
     return out
+
+
+def _blocks_at(x: Array, axis: int, offsets: list[int], tbl: Array | None) -> Array:
+    """``x``'s blocks (on ``axis``, per batch row) ``a + o`` for each offset ``o`` (shifted
+    slices, zeros outside the row), then ``x[b][tbl[b]]``, stacked on a new axis after
+    ``axis``: ``[.., nba, len(offsets) + R, ..]``."""
+    nba = x.shape[axis]
+    parts = []
+    if offsets:
+        reach = max(abs(o) for o in offsets)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (reach, reach)
+        padded = jnp.pad(x, widths)
+        shifted = [lax.slice_in_dim(padded, reach + o, reach + o + nba, axis=axis) for o in offsets]
+        parts.append(jnp.stack(shifted, axis + 1))
+    if tbl is not None:
+        parts.append(_take(x, tbl, axis - 1))
+    return jnp.concatenate(parts, axis + 1) if len(parts) > 1 else parts[0]
 
 
 def _flat(part: Partial, b: int, h: int, slots: int) -> Partial:
