@@ -250,8 +250,13 @@ def test_the_dense_weights_of_packed_rows_are_what_the_kernels_read(qkv):
         for text, causal in (("moba:k=2", True), ("bigbird:window=3,global=1,random=1", False)):
             (p,) = spec.parse_spec(text, B)[0]
             p = p.causal() if causal else p
-            scores, mask = head_groups.dense_scores(q, k, [p], segments=seg, packed=True)
-            weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-            dense = jnp.einsum("bhqk,bkhd->bqhd", jnp.nan_to_num(weights), v)
-            got = _attend(p, q, k, v, seg, packed=True)
+
+            @jax.jit
+            def both(q, k, v, seg, p=p):
+                scores, mask = head_groups.dense_scores(q, k, [p], segments=seg, packed=True)
+                weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+                dense = jnp.einsum("bhqk,bkhd->bqhd", jnp.nan_to_num(weights), v)
+                return _attend(p, q, k, v, seg, packed=True), dense
+
+            got, dense = both(q, k, v, seg)
             assert float(jnp.max(jnp.abs(got - dense))) < TOL, (text, causal)
