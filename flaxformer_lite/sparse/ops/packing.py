@@ -145,24 +145,26 @@ def aligned_layout(seq: Sequences, block: int, blocks: int | None = None,
     return Aligned(B, dest, src, run, pos, size, ids, is_long, start, fits)
 
 
-def to_aligned(x: Array, layout: Aligned, axis: int) -> Array:
-    """``x`` (``[b, ..., n, ...]``, tokens on ``axis``) in the aligned slots (zeros where
-    empty)."""
+def _gather_tokens(x: Array, index: Array, axis: int) -> Array:
+    """``x`` (tokens on ``axis``) at ``index`` ``[b, m]`` per row; index ``x.shape[axis]``
+    reads zeros."""
     x = jnp.moveaxis(x, axis, 1)
     b = x.shape[0]
     padded = jnp.concatenate([x, jnp.zeros((b, 1, *x.shape[2:]), x.dtype)], axis=1)
-    out = jax.vmap(lambda xb, s: xb[s])(padded, layout.src)
+    out = jax.vmap(lambda xb, i: xb[i])(padded, index)
     return jnp.moveaxis(out, 1, axis)
+
+
+def to_aligned(x: Array, layout: Aligned, axis: int) -> Array:
+    """``x`` (``[b, ..., n, ...]``, tokens on ``axis``) in the aligned slots (zeros where
+    empty)."""
+    return _gather_tokens(x, layout.src, axis)
 
 
 def from_aligned(x: Array, layout: Aligned, axis: int) -> Array:
     """The inverse of :func:`to_aligned`: each token's value from its slot (zeros for
     padding)."""
-    x = jnp.moveaxis(x, axis, 1)
-    b = x.shape[0]
-    padded = jnp.concatenate([x, jnp.zeros((b, 1, *x.shape[2:]), x.dtype)], axis=1)
-    out = jax.vmap(lambda xb, d: xb[d])(padded, layout.dest)
-    return jnp.moveaxis(out, 1, axis)
+    return _gather_tokens(x, layout.dest, axis)
 
 
 def tight_blocks(n: int, block: int) -> int:
