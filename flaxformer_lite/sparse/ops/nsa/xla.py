@@ -144,24 +144,17 @@ def nsa_attention(
     """NSA self-attention ``[b, n, h, d] x3 -> [b, n, h, dv]`` (see the module doc).
     ``parts``: also return ``{branch: [b, n, h, dv]}``, the gates ``[b, n, h, 3]`` and
     the selection's :class:`~flaxformer_lite.sparse.ops.moba.xla.Routing` (for the tests).
-    ``kernel=triton``: every branch fused (``interpret`` as there): the compressed one
-    and its selection (:mod:`~flaxformer_lite.sparse.ops.nsa.compressed_triton`,
-    :mod:`~flaxformer_lite.sparse.ops.moba.routing_triton`; XLA's where ``block`` is no multiple of
-    16), the selected one on the routed kernel
-    (:mod:`~flaxformer_lite.sparse.ops.chosen_blocks.pallas_triton_gather`) and the window on the
-    band
-    kernel (:mod:`~flaxformer_lite.sparse.ops.band.pallas_triton`); the gates are XLA's either way.
-    ``route``: the compressed branch and selection ``fused`` (the default under
-    ``kernel=triton``) or ``xla`` (a query block at a time; the benchmark's baseline).
-    ``packed``: the rows hold several sequences (contiguous runs of one segment id),
-    each blocked from its own start as alone (:func:`packed_nsa`)."""
-    if packed and segments is not None:
-        if parts:
-            raise ValueError("nsa: parts of packed rows: run the aligned rows "
-                             "(sparse.ops.packing.aligned_layout) instead")  # fmt: skip
-        kw = dict(block=block, causal=causal, scale=scale, kernel=kernel,
-                  interpret=interpret, route=route)  # fmt: skip
-        return packed_nsa(query, key, value, params, top_k, window, segments, **kw)
+    ``kernel=triton``: every branch fused (``interpret`` as there): the compressed one and
+    its selection (:mod:`~flaxformer_lite.sparse.ops.nsa.compressed_triton`,
+    :mod:`~flaxformer_lite.sparse.ops.moba.routing_triton`; XLA's where ``block`` is no
+    multiple of 16), the selected one on the routed kernel (``chosen_blocks``'
+    ``pallas_triton_gather``) and the window on the band kernel (``band.pallas_triton``);
+    the gates are XLA's either way. ``route``: the compressed branch and selection
+    ``fused`` (the default under ``kernel=triton``) or ``xla`` (a query block at a time;
+    the benchmark's baseline). ``packed``: each sequence from its own start (:func:`packed_nsa`)."""
+    if packed and segments is not None and not parts:  # parts: of the rows as given
+        kw = dict(block=block, causal=causal, scale=scale, kernel=kernel, interpret=interpret)
+        return packed_nsa(query, key, value, params, top_k, window, segments, route=route, **kw)
     b, n, h, d = query.shape
     npad = num_blocks(n, block) * block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
