@@ -29,13 +29,8 @@ from flaxformer_lite.config.fields import ConfigError
 from flaxformer_lite.config.mesh import MeshError, parse_mesh
 from flaxformer_lite.config.profile import profile_steps
 from flaxformer_lite.sparse import dispatch
-from flaxformer_lite.sparse.grammar.spec import (
-    PatternSpecError,
-    check_spec,
-    is_dense,
-    parse_spec,
-    parse_spec_texts,
-)
+from flaxformer_lite.sparse.grammar import spec as grammar
+from flaxformer_lite.sparse.grammar.spec import PatternSpecError, check_spec, is_dense, parse_spec
 
 # Score functions ----------------------------------------------------------------------
 # Their names (the factories are model code: model/attention.py registers them here).
@@ -356,10 +351,10 @@ def check_experiment(e: Any) -> None:
         )
     if d.pack and not d.stream and m.sparse_attention and m.attention_impl == "splash":
         layers = parse_spec(m.attention_pattern, m.attention_block_size)
+        texts = [grammar.parse_spec_texts(m.attention_pattern, i) for i in range(len(layers))]
         anchored = sorted({
-            text for index, layer in enumerate(layers)
-            for text, p in zip(parse_spec_texts(m.attention_pattern, index), layer, strict=True)
-            if not p.offset_invariant
+            text for names, layer in zip(texts, layers, strict=True)
+            for text, p in zip(names, layer, strict=True) if not p.offset_invariant
         })  # fmt: skip
         if anchored:
             raise ConfigError(
