@@ -3,7 +3,11 @@ munge, as `make test` installs them).
 
 ``start(folder)`` writes a ``slurm.conf`` for ``localhost`` in ``folder`` (its own
 ports, state and spool folders, a munge socket and key of its own, process tracking
-by /proc, no cgroups: nothing outside the folder is touched), starts munged,
+by /proc, no cgroups: nothing outside the folder is touched; a credential lifetime of
+5 s and a scheduler that looks every second, so that a requeued task, held back for the
+credential lifetime + 1 s, starts again within seconds on its own: starting it sooner by
+hand races slurmd's revocation of its old credential, which counts whole seconds, and
+SLURM then kills it as it starts), starts munged,
 slurmctld and slurmd, and waits for the node to be idle; the returned cluster's
 ``env`` points SLURM's commands at it (``SLURM_CONF``) and ``stop()`` ends it.
 """
@@ -69,7 +73,7 @@ SlurmctldHost=localhost
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
 AuthType=auth/munge
-AuthInfo=socket={d}/munge.sock
+AuthInfo=socket={d}/munge.sock,cred_expire=5
 CryptoType=crypto/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -82,6 +86,7 @@ StateSaveLocation={d}/state
 SlurmUser=root
 SlurmdUser=root
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobCompType=jobcomp/none

@@ -5,12 +5,14 @@ own, on free ports).
 The default suite submits a 2-point :debug sweep as a job array, waits for it and
 collects it, and checks that a second run of the command submits nothing. The slow
 tier: a run of 2 processes in one job trains as the local 2-process run; a job stopped
-by SIGTERM saves, requeues itself and the sweep ends with the numbers of an
-uninterrupted one; the status of queued, running, done and failed runs; SLURM's
-refusal of a partition, no SLURM on the PATH and a failing run, each in one line.
+by SIGTERM saves, requeues itself (or, where SLURM refuses the requeue, the waiting
+sweep submits it again) and the sweep ends with the numbers of an uninterrupted one;
+the status of queued, running, done and failed runs; SLURM's refusal of a partition,
+no SLURM on the PATH and a failing run, each in one line.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -96,50 +98,74 @@ def test_two_processes_in_one_job_train_as_two_local_processes(fixture_data, clu
     assert _train_losses(run) == _train_losses(local)
 
 
+def _sigterm_args(fixture_data) -> tuple[str, ...]:
+    flags = [a for a in fixtures.debug_command(fixture_data, "x", 12)
+             if a.startswith("--config.") and "num_steps" not in a]  # fmt: skip
+    return ("--split=", "--sweep=train.num_steps=12", "--wait", *flags)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fixture_data, cluster, tmp_path_factory):
+    """The sweep of the SIGTERM tests, run through without a stop."""
+    straight = tmp_path_factory.mktemp("straight")
+    _sweep(fixture_data, cluster, straight, *_sigterm_args(fixture_data))
+    return straight
+
+
+# A SLURM that refuses the requeue: scontrol on the job's PATH says no to it alone.
+REFUSING_SCONTROL = """#!/bin/sh
+if [ "$1" = requeue ]; then echo "scontrol: error: Requeue of job $2 refused" >&2; exit 1; fi
+exec {real} "$@"
+"""
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("requeue", ["taken", "refused"])
 def test_a_job_stopped_by_sigterm_requeues_and_ends_as_an_uninterrupted_run(
-    fixture_data, cluster, tmp_path
+    fixture_data, cluster, uninterrupted, tmp_path, requeue
 ):
     """SIGTERM to the running job's steps (what --signal sends before the time limit):
-    the run saves and stops, its task requeues itself and resumes; the sweep ends with
+    the run saves and stops, its task requeues itself and resumes (or, where SLURM
+    refuses the requeue, the waiting sweep submits the run again); the sweep ends with
     the losses, examples and parameters of the same sweep uninterrupted."""
     from flaxformer_lite.training.state import abstract_train_state
     from flaxformer_lite.workdir import checkpoints as ckpt_lib
 
-    flags = [a for a in fixtures.debug_command(fixture_data, "x", 12)
-             if a.startswith("--config.") and "num_steps" not in a]  # fmt: skip
-    args = ("--split=", "--sweep=train.num_steps=12", "--wait", *flags)
-    straight = tmp_path / "straight"
-    _sweep(fixture_data, cluster, straight, *args)
+    env = {**fixtures.debug_env(fixture_data), **cluster.env, "FLAXFORMER_SLURM_POLL": "1"}
+    if requeue == "refused":
+        (tmp_path / "bin").mkdir()
+        wrapper = tmp_path / "bin/scontrol"
+        wrapper.write_text(REFUSING_SCONTROL.format(real=shutil.which("scontrol")))
+        wrapper.chmod(0o755)
+        env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
     workdir = tmp_path / "sweep"
     sweep = subprocess.Popen(
         [sys.executable, "-m", "flaxformer_lite.main", "sweep", f"--workdir={workdir}",
          f"--config={ROOT / 'configs/ende_small.py'}:debug", "--seeds=1",
-         "--config.launch.launcher=slurm", *args],
-        cwd=ROOT, env={**fixtures.debug_env(fixture_data), **cluster.env,
-                       "FLAXFORMER_SLURM_POLL": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--config.launch.launcher=slurm", *_sigterm_args(fixture_data)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     run = workdir / "num_steps=12/seed0"
     _until(lambda: (run / "metrics.jsonl").exists()
            and len(fixtures.train_losses(run)) >= 4, "training")  # fmt: skip
     task = _task(workdir, "num_steps=12/seed0")
     cluster.run("scancel", "--signal=TERM", task)
-    _until(lambda: "PENDING" in cluster.run("squeue", "-h", "-r", "-o", "%T", "-j",
-                                            task.split("_")[0]).stdout, "requeued")  # fmt: skip
-    # a requeued task waits out SLURM's requeue delay (~2 min): begin it now
-    cluster.run("scontrol", "update", f"JobId={task}", "StartTime=now")
     out, err = sweep.communicate(timeout=300)
-    assert sweep.returncode == 0, out[-2000:] + err[-2000:]
     log = (run / "train.log").read_text()
+    assert sweep.returncode == 0, out[-2000:] + err[-2000:] + "\ntrain.log:\n" + log[-4000:]
     assert "stopped by SIGTERM" in log and "resumed from step" in log
-    uninterrupted = straight / "num_steps=12/seed0"
-    assert fixtures.train_losses(run) == fixtures.train_losses(uninterrupted)
-    assert fixtures.step_examples(run) == fixtures.step_examples(uninterrupted)
+    if requeue == "refused":  # the same run, submitted again as a second array
+        assert "Requeue of job" in log and out.count("1 run(s) submitted") == 2
+        assert _task(workdir, "num_steps=12/seed0") != task
+    else:
+        assert out.count("submitted") == 1 and _task(workdir, "num_steps=12/seed0") == task
+    straight = uninterrupted / "num_steps=12/seed0"
+    assert fixtures.train_losses(run) == fixtures.train_losses(straight)
+    assert fixtures.step_examples(run) == fixtures.step_examples(straight)
     target = abstract_train_state(fixtures.debug_config(fixture_data[1])).params
-    fixtures.assert_same_params(ckpt_lib.restore_params(uninterrupted, target, "last", 12)[0],
+    fixtures.assert_same_params(ckpt_lib.restore_params(straight, target, "last", 12)[0],
                                 ckpt_lib.restore_params(run, target, "last", 12)[0])  # fmt: skip
-    rows = [json.loads((d / "results.jsonl").read_text()) for d in (straight, workdir)]
+    rows = [json.loads((d / "results.jsonl").read_text()) for d in (uninterrupted, workdir)]
     assert rows[0]["valid_nll"] == rows[1]["valid_nll"] and rows[1]["steps"] == 12
 
 

@@ -9,7 +9,8 @@ variables), its output appended to the run's ``train.log``; then, with ``SCORE``
 ``job``, its ``score.txt`` (``evaluate.log``). Training is a job step, so a SIGTERM
 that SLURM sends to the job's steps (``--signal`` before the time limit, ``scancel
 --signal=TERM``, a preemption) reaches it: it saves a checkpoint and stops, and the
-task requeues itself, to resume from that checkpoint. Each attempt's wall minutes go
+task requeues itself, to resume from that checkpoint (a refused requeue is said in
+``train.log``, and the sweep submits the run again). Each attempt's wall minutes go
 to the run's ``sweep_minutes.json``; a finished task writes ``sweep_job.json``, which
 tells the sweep the run is ready to collect. Imports nothing that loads JAX.
 """
@@ -27,14 +28,27 @@ from flaxformer_lite.sweep import logs
 from flaxformer_lite.workdir import location, storage
 
 DONE_FILE = "sweep_job.json"  # in a run's folder: its job trained (and scored) it
+MINUTES_FILE = "sweep_minutes.json"  # in a run's folder: each attempt's wall minutes
+
+
+def _spent(folder) -> list:
+    path = folder / MINUTES_FILE
+    try:
+        spent = json.loads(path.read_text()) if path.exists() else []
+    except ValueError:
+        return []
+    return spent if isinstance(spent, list) else []
+
+
+def attempts(folder) -> int:
+    """How many attempts the run's jobs have made so far (ended, requeued or failed)."""
+    return len(_spent(folder))
 
 
 def _minutes(folder, started: float) -> None:
     """Add this attempt's wall minutes to the run's record of its attempts."""
-    path = folder / "sweep_minutes.json"
-    spent = json.loads(path.read_text()) if path.exists() else []
-    spent = spent if isinstance(spent, list) else []
-    storage.write_atomic(path, json.dumps([*spent, (time.time() - started) / 60]))
+    storage.write_atomic(folder / MINUTES_FILE,
+                         json.dumps([*_spent(folder), (time.time() - started) / 60]))  # fmt: skip
 
 
 def _task_id() -> str:
@@ -56,8 +70,15 @@ def main(argv: list[str]) -> int:
         return code  # the sweep reports the log's tail
     if logs.PREEMPTED in logs.tail(folder / "train.log", 2):
         _minutes(folder, started)  # saved, not finished: again, from its checkpoint
-        print(f"{folder}: stopped early and saved; requeued to resume", flush=True)
-        subprocess.call(["scontrol", "requeue", _task_id()])
+        print(f"{folder}: stopped early and saved; requeuing it to resume", flush=True)
+        requeue = subprocess.run(["scontrol", "requeue", _task_id()], capture_output=True,
+                                 text=True)  # fmt: skip
+        if requeue.returncode == 0:
+            return 0
+        said = " ".join((requeue.stderr or requeue.stdout).split()) or f"exit {requeue.returncode}"
+        logs.append(folder / "train.log",
+                    f"sweep job {_task_id()}: SLURM refused its requeue ({said}); a waiting "
+                    "sweep submits the run again, as does the sweep command run again")  # fmt: skip
         return 0
     scored = score == "job" and (folder / "score.txt").exists()
     if scored:

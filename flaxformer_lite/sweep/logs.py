@@ -41,6 +41,16 @@ def run_logged(
                 log.write_bytes(f.read())
 
 
+def append(log: location.Path, line: str) -> None:
+    """Add one line of the sweep's own to ``log`` (uploaded where it is a bucket's)."""
+    local = local_log(log)
+    with open(local, "a") as out:
+        out.write(line.rstrip("\n") + "\n")
+    if location.is_remote(log):
+        with open(local, "rb") as f:
+            log.write_bytes(f.read())
+
+
 def local_log(log: location.Path) -> str:
     """The local file a log is appended to: itself, or for a bucket's log a copy in this
     machine's cache (started from the bucket's, so a resumed run's log keeps its past)."""

@@ -174,12 +174,13 @@ def sweep_main(
     results = run_sweep(spec, workdir, parallel=parallel, wait=wait, status=status)
     if results is None:  # jobs submitted and not waited for, or only a status
         return
-    failed = [r["run"] for r in results if r.get("status") != "ok"]
+    failed = [r for r in results if r.get("status") != "ok"]
     print(f"results: {workdir}/{RESULTS_MD}, {workdir}/{RESULTS_JSONL}, {workdir}/results.png")
     if failed:
+        first = str(failed[0].get("error") or "no output").splitlines()[-1][-300:]
         raise SweepError(
-            f"{len(failed)} of {len(results)} runs failed: {', '.join(failed)} (see their "
-            "train.log)"
+            f"{len(failed)} of {len(results)} runs failed: {', '.join(r['run'] for r in failed)}"
+            f" (the first: {first}; see their train.log)"
         )
 
 

@@ -8,7 +8,8 @@ the same command later (or ``--status``) says where each run is, submits what
 stopped without finishing (nothing twice: a run whose job is queued or running is
 left to it) and collects what finished. A run's job (:mod:`~flaxformer_lite.sweep.job`)
 saves and requeues itself on SIGTERM (``--signal`` before the time limit, a
-preemption), so an unattended sweep goes on.
+preemption), so an unattended sweep goes on; where SLURM refuses the requeue, a
+waiting sweep (or the command run again) submits the run anew.
 
 The sweep folder's ``slurm/``:
 
@@ -30,7 +31,7 @@ import time
 
 from flaxformer_lite.config.launch import LaunchConfig
 from flaxformer_lite.sweep import logs, rows
-from flaxformer_lite.sweep.job import DONE_FILE
+from flaxformer_lite.sweep.job import DONE_FILE, attempts
 from flaxformer_lite.sweep.spec import RunSpec, SweepError
 from flaxformer_lite.workdir import location, storage
 
@@ -128,7 +129,8 @@ def submit(workdir, specs: list[RunSpec], launch: LaunchConfig, name: str) -> st
     array = out.stdout.strip().split(";")[0]
     recorded = jobs(workdir)
     for i, spec in enumerate(specs):
-        recorded[spec.folder] = {"job": f"{array}_{i}", "submitted": time.time()}
+        made = attempts(location.path(workdir) / spec.folder)  # by its jobs before this one
+        recorded[spec.folder] = {"job": f"{array}_{i}", "submitted": time.time(), "attempts": made}
     storage.write_atomic(root / JOBS, json.dumps(recorded, indent=1))
     return array
 
@@ -198,7 +200,7 @@ def state(workdir, spec: RunSpec, recorded: dict, running: dict[str, str]) -> tu
         return "new", ""
     train = logs.tail(folder / "train.log", 3)
     if logs.PREEMPTED in train:
-        return "stopped", f"job {job} saved it early"
+        return "stopped", f"job {job} saved it early; the sweep command again resumes it"
     failed = logs.tail(folder / "evaluate.log", 3) or train
     return "failed", f"job {job}: {failed or 'no output (see slurm/' + job + '.out)'}"
 
@@ -227,7 +229,9 @@ def sweep_rows(sweep, runs: list[RunSpec], workdir, launch: LaunchConfig, *, wai
                 print(f"{spec.folder}: {kind}" + (f" ({detail})" if detail else ""), flush=True)
             return None
         again = [s for s in runs if states[s.folder][0] in ("new", "stopped", "failed")]
-        again = [s for s in again if not (wait and _tried(submitted, s))]
+        again = [
+            s for s in again if not (wait and _tried(submitted, s, states[s.folder][0], workdir))
+        ]
         if again:
             for spec in again:
                 rows.prepare(sweep, spec, workdir)  # command.txt, score.txt
@@ -249,10 +253,18 @@ def sweep_rows(sweep, runs: list[RunSpec], workdir, launch: LaunchConfig, *, wai
         time.sleep(POLL_SECONDS)
 
 
-def _tried(submitted: dict, spec: RunSpec) -> bool:
-    """Whether the run had a job in this command already (one that failed in it is
-    reported at the end, not submitted again and again)."""
-    return submitted.get(spec.folder, {}).get("submitted", 0) >= _STARTED
+def _tried(submitted: dict, spec: RunSpec, kind: str, workdir) -> bool:
+    """Whether the run had its last chance in this command already: a job submitted
+    in it that failed is reported at the end, not submitted again and again. A run
+    that its job saved early is submitted again where its requeue did not take (SLURM
+    refused it, MaxBatchRequeue reached, the requeued task killed at its start) as
+    long as each job made an attempt (one that never started is reported)."""
+    record = submitted.get(spec.folder, {})
+    if record.get("submitted", 0) < _STARTED:
+        return False
+    if kind == "stopped":
+        return attempts(location.path(workdir) / spec.folder) <= record.get("attempts", 0)
+    return True
 
 
 _STARTED = time.time()  # this process's start: jobs it submitted itself came after
