@@ -1,5 +1,5 @@
-"""The sweep command: spec parsing and its errors, a real debug grid that resumes, and
-a real sweep stopped by SIGTERM."""
+"""The sweep command: spec parsing and its errors, a real debug grid that resumes, a
+real sweep stopped by SIGTERM, and what a SLURM sweep makes of SLURM's silence."""
 
 import json
 import os
@@ -351,3 +351,39 @@ def test_a_points_folder_stays_inside_the_sweep_folder(tmp_path):
         inside = (tmp_path / folder).resolve()
         assert inside.is_relative_to(tmp_path.resolve())
         inside.mkdir(parents=True)  # a name the file system takes
+
+
+def _fake_slurm(folder: pathlib.Path, said: str) -> str:
+    """A PATH whose squeue and scontrol fail the way SLURM's do, saying ``said``."""
+    folder.mkdir()
+    for tool in ("squeue", "scontrol"):
+        path = folder / tool
+        path.write_text(f"#!/bin/sh\necho 'slurm_load_jobs error: {said}' >&2\nexit 1\n")
+        path.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
+@pytest.mark.parametrize(
+    "said,live,kind",
+    [
+        ("Unable to contact slurm controller (connect failure)", True, "unknown"),
+        ("Invalid job id specified", False, "stopped"),
+    ],
+)
+def test_a_job_slurm_says_nothing_about_is_not_taken_for_ended(
+    tmp_path, monkeypatch, said, live, kind
+):
+    """A controller that does not answer (restarting, busy) leaves the run waiting, so
+    it is never submitted beside a job that may still run it; a job SLURM no longer
+    knows has ended (a run it saved early is then ``stopped``)."""
+    from flaxformer_lite.sweep import slurm
+    from flaxformer_lite.sweep.spec import RunSpec
+
+    monkeypatch.setenv("PATH", _fake_slurm(tmp_path / "bin", said))
+    running = slurm.live(["5_0"])
+    assert running == ({"5_0": "UNANSWERED"} if live else {})
+    spec = RunSpec(point=(("model.num_heads", 1),), seed=0, folder="a/seed0")
+    (tmp_path / "a/seed0").mkdir(parents=True)
+    (tmp_path / "a/seed0/train.log").write_text("stopped by SIGTERM at step 7: ...\n")
+    got, detail = slurm.state(tmp_path, spec, {"a/seed0": {"job": "5_0"}}, running)
+    assert got == kind and "5_0" in detail

@@ -154,7 +154,9 @@ def live(job_ids: list[str]) -> dict[str, str]:
     ``squeue`` alone can miss a task for a moment (a task being requeued between its end
     and its new queue entry, a controller too busy to answer): a task it does not list
     is asked for by name (``scontrol show job``, which knows a job for minutes after it
-    ended), and counts as live where its state says it will run again."""
+    ended), and counts as live where its state says it will run again, or where SLURM
+    did not answer at all (``UNANSWERED``: a controller restarting is no job's end, and
+    a run is never submitted again beside a job that may still be running it)."""
     arrays = sorted({j.split("_")[0] for j in job_ids})
     if not arrays:
         return {}
@@ -166,7 +168,7 @@ def live(job_ids: list[str]) -> dict[str, str]:
     for job in job_ids:
         if job not in states:
             again = _scontrol_state(job)
-            if again in _WILL_RUN:
+            if again in _WILL_RUN or again == UNANSWERED:
                 states[job] = again
     return {j: states[j] for j in job_ids if j in states}
 
@@ -176,9 +178,15 @@ _WILL_RUN = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RUNNING", "C
              "COMPLETING", "SUSPENDED", "RESIZING", "STAGE_OUT", "SIGNALING")  # fmt: skip
 
 
+UNANSWERED = "UNANSWERED"  # the state of a job SLURM said nothing about
+
+
 def _scontrol_state(job: str) -> str | None:
-    """A job's ``JobState`` by ``scontrol show job`` (None where SLURM no longer knows it)."""
+    """A job's ``JobState`` by ``scontrol show job``: None where SLURM no longer knows
+    it, :data:`UNANSWERED` where the controller did not answer."""
     out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True)
+    if out.returncode and "invalid job id" not in out.stderr.lower():
+        return UNANSWERED
     for field in out.stdout.split() if out.returncode == 0 else ():
         if field.startswith("JobState="):
             return field.removeprefix("JobState=")
@@ -187,12 +195,15 @@ def _scontrol_state(job: str) -> str | None:
 
 def state(workdir, spec: RunSpec, recorded: dict, running: dict[str, str]) -> tuple[str, str]:
     """(state, detail) of a run: ``done`` (its job finished it), ``queued``/``running``
-    (job id), ``failed`` (its job ended without finishing it: the log's tail),
-    ``stopped`` (saved early and not requeued) or ``new`` (never submitted)."""
+    (job id), ``unknown`` (SLURM did not answer about its job), ``failed`` (its job
+    ended without finishing it: the log's tail), ``stopped`` (saved early and not
+    requeued) or ``new`` (never submitted)."""
     folder = location.path(workdir) / spec.folder
     job = recorded.get(spec.folder, {}).get("job")
     if (folder / DONE_FILE).exists():
         return "done", ""
+    if running.get(job) == UNANSWERED:
+        return "unknown", f"job {job}: SLURM did not answer about it; asked again"
     if job in running:
         kind = "running" if running[job] in ("RUNNING", "COMPLETING") else "queued"
         return kind, f"job {job}, {running[job].lower()}"
@@ -210,6 +221,7 @@ def sweep_rows(sweep, runs: list[RunSpec], workdir, launch: LaunchConfig, *, wai
     """Submit what needs a job, say where each run is; with ``wait``, poll until every
     job ended and return the rows in grid order (None otherwise, or for ``status``)."""
     recorded_rows = rows.recorded(workdir)
+    unanswered = 0  # jobs SLURM said nothing about at the last poll
     while True:
         submitted = jobs(workdir)
         running = live([r["job"] for r in submitted.values()])
@@ -239,7 +251,7 @@ def sweep_rows(sweep, runs: list[RunSpec], workdir, launch: LaunchConfig, *, wai
             print(f"sweep: {len(again)} run(s) submitted as SLURM job array {array} "
                   f"({location.path(workdir) / FOLDER})", flush=True)  # fmt: skip
             continue
-        waiting = [s for s in runs if states[s.folder][0] in ("queued", "running")]
+        waiting = [s for s in runs if states[s.folder][0] in ("queued", "running", "unknown")]
         if not wait:
             counts = {}
             for kind, _ in states.values():
@@ -250,6 +262,12 @@ def sweep_rows(sweep, runs: list[RunSpec], workdir, launch: LaunchConfig, *, wai
             return None
         if not waiting:
             return [_row(workdir, spec, states[spec.folder], recorded_rows) for spec in runs]
+        unknown = sum(kind == "unknown" for kind, _ in states.values())
+        if unknown and not unanswered:  # once a spell
+            print(f"sweep: SLURM did not answer about {unknown} job(s) (its controller "
+                  f"busy or restarting?); asking again every {POLL_SECONDS:g} s",
+                  flush=True)  # fmt: skip
+        unanswered = unknown
         time.sleep(POLL_SECONDS)
 
 
